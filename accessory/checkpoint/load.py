@@ -1,0 +1,121 @@
+"""Load this rank's slice of every parameter from checkpoint shards, for any shard count N and rank count M.
+
+A checkpoint tensor is split across its N shards along at most one dimension; which one is read off the shapes
+(a piece whose shape equals the model's global shape is a replica). The model side says what it wants through
+each parameter's `Shard` (parallel/layers.py). Copying intersects the two, so N -> M works whether or not one
+divides the other, and whether or not the two split the same dimension (Meta's LLaMA-3 splits the embedding by
+vocabulary, fairscale by feature). Only the pages of the needed slices are read from the memory-mapped files.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from accessory.checkpoint.formats import IGNORED_KEYS, Piece, find_shards, read_shard
+from accessory.errors import CheckpointError
+from accessory.parallel import Shard, global_shape, shard_of
+
+log = logging.getLogger(__name__)
+
+
+def open_checkpoint(folders: Sequence[Path]) -> dict[str, tuple[list[Piece], Path]]:
+    """Tensor name -> (its piece in every shard, the folder it comes from); later folders override earlier ones."""
+    sources = {}
+    for folder in folders:
+        shards = find_shards(folder)
+        opened = [read_shard(path, shards.kind) for path in shards.files]
+        for path, tensors in zip(shards.files[1:], opened[1:]):
+            if tensors.keys() != opened[0].keys():
+                diff = sorted(tensors.keys() ^ opened[0].keys())
+                raise CheckpointError(f"{path}: holds other tensors than {shards.files[0].name} (differing: "
+                                      f"{_listing(diff)}); the shards are from different checkpoints")
+        for key in opened[0]:
+            sources[key] = ([tensors[key] for tensors in opened], folder)
+    return sources
+
+
+def load_weights(model: nn.Module, folders: Sequence[Path], progress: bool = True) -> None:
+    """Fill every parameter of a materialized model from the checkpoint folders; keys must match exactly."""
+    sources = open_checkpoint(folders)
+    params = dict(model.named_parameters())
+    wanted = {model.checkpoint_key(name) for name in params}
+    missing = sorted(wanted - sources.keys())
+    unexpected = sorted(sources.keys() - wanted - IGNORED_KEYS)
+    where = ", ".join(str(f) for f in folders)
+    if missing:
+        raise CheckpointError(f"{where}: checkpoint lacks {len(missing)} tensor(s) the model needs: "
+                              f"{_listing(missing)} (wrong llama_type or config, or a partial checkpoint?)")
+    if unexpected:
+        raise CheckpointError(f"{where}: checkpoint has {len(unexpected)} tensor(s) the model does not use: "
+                              f"{_listing(unexpected)} (wrong llama_type or config?)")
+    for name, param in tqdm(params.items(), desc="loading weights", disable=not progress, leave=False):
+        key = model.checkpoint_key(name)
+        pieces, folder = sources[key]
+        copy_slice(param.data, pieces, shard_of(model, name), f"{folder}: tensor {key!r}")
+
+
+def copy_slice(dest: torch.Tensor, pieces: list[Piece], shard: Optional[Shard], what: str) -> None:
+    """Copy the part of the global tensor (split across `pieces`) that `shard` selects into `dest`."""
+    full_shape = global_shape(dest, shard)
+    if shard is not None:
+        if shard.stop - shard.start < shard.local_size:
+            dest.zero_()  # padding of an uneven split must be zeros (see parallel/layers.py)
+    for piece, piece_dim, offset in _layout(pieces, full_shape, what):
+        src = [slice(None)] * dest.dim()
+        dst = [slice(None)] * dest.dim()
+        if shard is not None and piece_dim == shard.dim:
+            lo, hi = max(shard.start, offset), min(shard.stop, offset + piece.shape[piece_dim])
+            if lo >= hi:
+                continue
+            src[shard.dim], dst[shard.dim] = slice(lo - offset, hi - offset), slice(lo - shard.start, hi - shard.start)
+        else:
+            if shard is not None:
+                src[shard.dim] = slice(shard.start, shard.stop)
+                dst[shard.dim] = slice(0, shard.stop - shard.start)
+            if piece_dim is not None:
+                dst[piece_dim] = slice(offset, offset + piece.shape[piece_dim])
+        dest[tuple(dst)].copy_(piece.read(tuple(src)))
+
+
+def _layout(pieces: list[Piece], full_shape: list[int], what: str) -> list[tuple[Piece, Optional[int], int]]:
+    """(piece, the dimension the checkpoint split, the piece's offset along it) for the distinct pieces."""
+    shapes = [list(p.shape) for p in pieces]
+    if all(s == full_shape for s in shapes):
+        return [(pieces[0], None, 0)]  # replicated in every shard (or a single shard)
+    split = [d for d in range(len(full_shape)) if len(shapes[0]) == len(full_shape) and shapes[0][d] != full_shape[d]]
+    mismatch = CheckpointError(f"{what}: shard shape(s) {_shape_listing(shapes)} do not assemble into the model's "
+                               f"shape {full_shape} (wrong config or llama_type?)")
+    if len(split) != 1 or any(s[:split[0]] + s[split[0] + 1:] != shapes[0][:split[0]] + shapes[0][split[0] + 1:]
+                              for s in shapes):
+        raise mismatch
+    dim = split[0]
+    total = sum(s[dim] for s in shapes)
+    if total != full_shape[dim]:
+        # More shards than KV heads: consecutive shards hold copies of one KV head. Keep one of each run.
+        copies = total // full_shape[dim]
+        if total % full_shape[dim] or len({s[dim] for s in shapes}) != 1 or len(pieces) % copies:
+            raise mismatch
+        pieces = pieces[::copies]
+    offsets, layout = 0, []
+    for piece in pieces:
+        layout.append((piece, dim, offsets))
+        offsets += piece.shape[dim]
+    return layout
+
+
+def _listing(keys: list[str], limit: int = 12) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+def _shape_listing(shapes: list[list[int]]) -> str:
+    distinct = []
+    for s in shapes:
+        if s not in distinct:
+            distinct.append(s)
+    return ", ".join(str(s) for s in distinct)

@@ -1,0 +1,137 @@
+"""`accessory` command line: one verb per job; each verb's handler is imported only when it runs.
+
+    accessory generate [--pretrained_path DIR ...] --prompt TEXT [--chat] ...   (alone or under torchrun)
+    accessory convert {gguf,hf} SRC DST --shards N
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from accessory.errors import AccessoryError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="accessory", description=__doc__.splitlines()[0])
+    verbs = parser.add_subparsers(dest="verb", required=True)
+
+    gen = verbs.add_parser("generate", help="complete a prompt (run under torchrun for tensor parallelism)")
+    model = gen.add_argument_group("model")
+    model.add_argument("--pretrained_path", nargs="+", help="checkpoint folder(s), later ones overriding earlier "
+                       "ones (default: the built-in SmolLM2-135M-Instruct, imported on first use)")
+    model.add_argument("--llama_type", help="model type (default: meta.json's, else llama)")
+    model.add_argument("--llama_config", nargs="+", default=[], help="config files overriding the folder's")
+    model.add_argument("--tokenizer_path", help="tokenizer.model / tokenizer.json (default: found beside weights)")
+    model.add_argument("--max_seq_len", type=int, default=4096)
+    model.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: bf16 on CUDA, fp32 on CPU")
+    model.add_argument("--device", help="default: cuda if available, else cpu")
+    sampling = gen.add_argument_group("generation")
+    sampling.add_argument("--prompt", required=True)
+    sampling.add_argument("--chat", action="store_true",
+                          help="wrap the prompt in the model's chat template; stop at its end-of-turn token")
+    sampling.add_argument("--max_gen_len", type=_positive_int, default=512)
+    sampling.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
+    sampling.add_argument("--top_p", type=_probability, default=0.95)
+    sampling.add_argument("--seed", type=int, help="makes sampling reproducible")
+    gen.set_defaults(handler=run_generate)
+
+    conv = verbs.add_parser("convert", help="import a GGUF file or a Hugging Face folder as sharded checkpoint")
+    conv.add_argument("source", choices=["gguf", "hf"])
+    conv.add_argument("src", help="the .gguf file, or the HF LlamaForCausalLM folder")
+    conv.add_argument("dst", help="new checkpoint folder (must not exist)")
+    conv.add_argument("--shards", type=_positive_int, default=1, help="tensor-parallel shard count to save")
+    conv.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: keep the source's")
+    conv.set_defaults(handler=run_convert)
+    return parser
+
+
+def run_generate(args) -> None:
+    from accessory.checkpoint.default_model import ensure_default_model
+    from accessory.model.meta import MetaModel
+    from accessory.parallel import ParallelContext
+    import torch.distributed as dist
+
+    ctx = ParallelContext.from_group()
+    paths = args.pretrained_path
+    if not paths:
+        if ctx.rank == 0:  # one process imports the default model; the others wait for it
+            ensure_default_model()
+        if dist.is_initialized():
+            dist.barrier()
+        paths = [ensure_default_model()]
+    model = MetaModel.from_pretrained(paths, llama_type=args.llama_type, llama_config=args.llama_config,
+                                      tokenizer_path=args.tokenizer_path, max_seq_len=args.max_seq_len,
+                                      dtype=args.dtype, device=args.device)
+    prompt = args.prompt
+    if args.chat:
+        prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    [text] = model.generate([prompt], max_gen_len=args.max_gen_len, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed)
+    if model.ctx.is_source:
+        print(text, flush=True)
+
+
+def run_convert(args) -> None:
+    from pathlib import Path
+
+    from accessory.checkpoint.convert import convert
+    from accessory.model.meta import DTYPES
+
+    convert(args.source, Path(args.src), Path(args.dst), args.shards, DTYPES[args.dtype] if args.dtype else None)
+    print(args.dst)
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    from accessory.parallel import init_distributed, shutdown_distributed
+
+    init_distributed()
+    _setup_logging()
+    try:
+        args.handler(args)
+    except AccessoryError as e:
+        logging.getLogger("accessory").error("%s", e)
+        _leave_without_barrier()
+        sys.exit(2)
+    except BaseException:
+        _leave_without_barrier()
+        raise
+    shutdown_distributed()
+
+
+def _leave_without_barrier() -> None:
+    # After a failure other ranks may be elsewhere: a barrier could hang. Leave, and let torchrun end the rest.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _setup_logging() -> None:
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[accessory rank {rank}] %(levelname)s %(message)s")
+
+
+def _positive_int(value: str) -> int:
+    n = int(value)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return n
+
+
+def _non_negative_float(value: str) -> float:
+    x = float(value)
+    if x < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return x
+
+
+def _probability(value: str) -> float:
+    x = float(value)
+    if not 0 < x <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return x

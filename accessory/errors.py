@@ -1,0 +1,17 @@
+"""Typed errors for bad input. Each message names the file, key, rank or value and what was expected."""
+
+
+class AccessoryError(Exception):
+    """Base class: bad input that the user can fix."""
+
+
+class ConfigError(AccessoryError, ValueError):
+    """A model config that is unknown, inconsistent, or impossible at this model-parallel size."""
+
+
+class CheckpointError(AccessoryError, ValueError):
+    """A checkpoint folder or shard file that cannot be loaded as it is."""
+
+
+class TokenizerError(AccessoryError, ValueError):
+    """A tokenizer that is missing, unreadable, or lacks what was asked of it (a chat template, say)."""

@@ -1,0 +1,55 @@
+"""A row's generated text as tokens arrive: incremental detokenization and stop strings, shared by `generate`
+and `stream_generate`."""
+from __future__ import annotations
+
+from typing import Sequence
+
+
+class RowText:
+    """Text of one row's generated tokens, decoded incrementally, cut at the first stop string.
+
+    Each new token decodes only the tokens since the last emitted boundary (so a long answer costs O(n), not
+    O(n^2)), and text that is still an incomplete UTF-8 sequence, or could be the start of a stop string, is held
+    back from `visible` until it is settled.
+    """
+
+    def __init__(self, tokenizer, stop_strings: Sequence[str] = ()):
+        self.tokenizer, self.stop_strings = tokenizer, [s for s in stop_strings if s]
+        self.ids: list[int] = []
+        self.text = ""  # all settled text
+        self._prefix = self._read = 0  # ids[_prefix:_read] were decoded last time as context for the next piece
+        self.stopped = False
+
+    def push(self, token: int) -> None:
+        if self.stopped:
+            return
+        self.ids.append(token)
+        context = self.tokenizer.decode(self.ids[self._prefix:self._read])
+        window = self.tokenizer.decode(self.ids[self._prefix:])
+        if len(window) > len(context) and not window.endswith("\ufffd"):
+            self.text += window[len(context):]
+            self._prefix, self._read = self._read, len(self.ids)
+        self._cut_at_stop_string()
+
+    def finish(self) -> None:
+        """No more tokens: settle whatever is pending (even an incomplete character)."""
+        context = self.tokenizer.decode(self.ids[self._prefix:self._read])
+        self.text += self.tokenizer.decode(self.ids[self._prefix:])[len(context):]
+        self._prefix = self._read = len(self.ids)
+        self._cut_at_stop_string()
+
+    def _cut_at_stop_string(self) -> None:
+        if self.stopped:
+            return
+        cut = min((i for i in (self.text.find(s) for s in self.stop_strings) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.stopped = self.text[:cut], True
+
+    @property
+    def visible(self) -> str:
+        """Settled text minus any tail that could still grow into a stop string."""
+        if self.stopped:
+            return self.text
+        held = max((n for s in self.stop_strings for n in range(len(s) - 1, 0, -1) if self.text.endswith(s[:n])),
+                   default=0)
+        return self.text[:len(self.text) - held]

@@ -1,0 +1,138 @@
+"""Shared LLaMA-family blocks: RMSNorm, rotary embeddings, the KV cache, attention and the SwiGLU feed-forward.
+
+Model files (model/LLM/<type>.py) only wire these; there is one implementation of each idea.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from accessory.errors import ConfigError
+from accessory.parallel import ColumnParallelLinear, ParallelContext, RowParallelLinear
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 (bf16 loses too much in the mean of squares), scale in the input dtype, as Meta does.
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: Union[None, float, dict]) -> torch.Tensor:
+    """Per-pair rotation frequencies (head_dim / 2,), float32, with linear or llama3 scaling applied."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling is None:
+        return freqs
+    if isinstance(scaling, (int, float)):  # LLaMA2-Accessory's form: a linear position-interpolation factor
+        scaling = {"rope_type": "linear", "factor": float(scaling)}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return freqs / scaling["factor"]  # same as dividing positions by the factor
+    if kind == "llama3":
+        return _llama3_scaled(freqs, scaling["factor"], scaling.get("low_freq_factor", 1.0),
+                              scaling.get("high_freq_factor", 4.0),
+                              scaling.get("original_max_position_embeddings", 8192))
+    raise ConfigError(f"unknown rope_scaling type {kind!r} in {scaling}; known: 'linear', 'llama3'")
+
+
+def _llama3_scaled(freqs, factor, low_freq_factor, high_freq_factor, old_context_len) -> torch.Tensor:
+    # Meta's LLaMA-3.1 rule: keep short wavelengths, divide long ones by `factor`, blend smoothly in between.
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * freqs / factor + smooth * freqs
+    out = torch.where(wavelen > old_context_len / low_freq_factor, freqs / factor, blended)
+    return torch.where(wavelen < old_context_len / high_freq_factor, freqs, out)
+
+
+def rope_table(freqs: torch.Tensor, max_seq_len: int, device: torch.device) -> torch.Tensor:
+    """Complex rotations for positions 0..max_seq_len-1: (max_seq_len, head_dim / 2), complex64."""
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs).to(device)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rope(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """Rotate Meta-style interleaved pairs (x[2i], x[2i+1]). x: (B, L, H, D); rotations: (L, D / 2) complex."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))  # (B, L, H, D/2)
+    rotated = pairs * rotations[None, :, None, :]
+    return torch.view_as_real(rotated).flatten(3).type_as(x)
+
+
+class KVCache(nn.Module):
+    """Preallocated keys and values for one attention layer: (B, n_local_kv_heads, max_seq_len, head_dim)."""
+
+    def __init__(self, batch: int, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (batch, n_kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, start_pos: int, k: torch.Tensor, v: torch.Tensor):
+        """Store k, v (B, H, L, D) at positions start_pos.. and return all keys and values up to them."""
+        batch, end = k.shape[0], start_pos + k.shape[2]
+        self.k[:batch, :, start_pos:end] = k
+        self.v[:batch, :, start_pos:end] = v
+        return self.k[:batch, :, :end], self.v[:batch, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ctx: ParallelContext):
+        super().__init__()
+        self.head_dim = dim // n_heads
+        # KV heads are split across ranks when they are at least as many as the ranks; otherwise each rank holds a
+        # copy of the one KV head its query heads use (ranks r*n_kv/world.. share it), so GQA still works.
+        kv_parts = min(ctx.world_size, n_kv_heads)
+        self.n_local_heads = n_heads // ctx.world_size
+        self.n_local_kv_heads = n_kv_heads // kv_parts
+        self.wq = ColumnParallelLinear(dim, n_heads * self.head_dim, ctx)
+        self.wk = ColumnParallelLinear(dim, n_kv_heads * self.head_dim, ctx, parts=kv_parts)
+        self.wv = ColumnParallelLinear(dim, n_kv_heads * self.head_dim, ctx, parts=kv_parts)
+        self.wo = RowParallelLinear(n_heads * self.head_dim, dim, ctx)
+        self.cache: Optional[KVCache] = None  # set by the engine (Transformer.setup_caches), not by forward
+
+    def forward(self, x: torch.Tensor, start_pos: int, rotations: torch.Tensor) -> torch.Tensor:
+        batch, seqlen, _ = x.shape
+        q = apply_rope(self.wq(x).view(batch, seqlen, self.n_local_heads, self.head_dim), rotations)
+        k = apply_rope(self.wk(x).view(batch, seqlen, self.n_local_kv_heads, self.head_dim), rotations)
+        v = self.wv(x).view(batch, seqlen, self.n_local_kv_heads, self.head_dim)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, L, D)
+        if self.cache is not None:
+            k, v = self.cache.update(start_pos, k, v)  # (B, H_kv, start_pos + L, D)
+        elif start_pos:
+            raise RuntimeError("start_pos > 0 needs a KV cache: call setup_caches first")
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(start_pos, seqlen, x.device),
+                                             is_causal=start_pos == 0 and seqlen > 1, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seqlen, -1))
+
+
+def causal_mask(start_pos: int, seqlen: int, device) -> Optional[torch.Tensor]:
+    """Mask for queries at start_pos.. over keys 0..start_pos+seqlen-1, or None when SDPA needs none.
+
+    A single new token sees every cached key; a prompt from position 0 uses SDPA's own causal mask.
+    """
+    if seqlen == 1 or start_pos == 0:
+        return None
+    keys = torch.arange(start_pos + seqlen, device=device)
+    queries = torch.arange(start_pos, start_pos + seqlen, device=device)
+    return keys[None, :] <= queries[:, None]  # (L, start_pos + L), True = may attend
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x), hidden units split across ranks."""
+
+    def __init__(self, dim: int, hidden_dim: int, ctx: ParallelContext):
+        super().__init__()
+        self.w1 = ColumnParallelLinear(dim, hidden_dim, ctx)
+        self.w2 = RowParallelLinear(hidden_dim, dim, ctx)
+        self.w3 = ColumnParallelLinear(dim, hidden_dim, ctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))

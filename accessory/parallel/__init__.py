@@ -1,0 +1,7 @@
+"""Process groups and tensor-parallel layers. Model files import the layers from here: this is the one seam."""
+from accessory.parallel.context import ParallelContext, init_distributed, shutdown_distributed
+from accessory.parallel.layers import (ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, Shard,
+                                       global_shape, make_shard, shard_of)
+
+__all__ = ["ParallelContext", "init_distributed", "shutdown_distributed", "ColumnParallelLinear",
+           "RowParallelLinear", "ParallelEmbedding", "Shard", "make_shard", "shard_of", "global_shape"]

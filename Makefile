@@ -18,7 +18,7 @@ $(VENV)/.installed: requirements.txt requirements-test.txt setup.py
 
 # The built-in default model (SmolLM2-135M-Instruct) at 3 tensor-parallel ranks on CPU.
 demo: setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) -m accessory generate \
+	@OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) -m accessory generate \
 		--chat --prompt "$(PROMPT)"
 
 test: setup

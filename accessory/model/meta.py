@@ -17,7 +17,7 @@ from accessory.generation.engine import decode_steps
 from accessory.generation.text import RowText
 from accessory.model.LLM import model_classes
 from accessory.model.tokenizer import Tokenizer, find_tokenizer
-from accessory.parallel import ParallelContext
+from accessory.parallel import ParallelContext, init_distributed
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class MetaModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optional[str] = None,
-                        llama_config: Sequence[PathLike] = (), tokenizer_path: Optional[PathLike] = None,
+                        llama_config: Optional[Sequence[PathLike]] = None, tokenizer_path: Optional[PathLike] = None,
                         with_visual: bool = False, max_seq_len: int = 4096,
                         mp_group: Optional[torch.distributed.ProcessGroup] = None,
                         dtype: Union[None, str, torch.dtype] = None, device: Union[None, str, torch.device] = None,
@@ -54,11 +54,13 @@ class MetaModel(nn.Module):
             raise NotImplementedError("quant=True: quantized loading is not built yet")
         folders = [Path(p) for p in ([pretrained_path] if isinstance(pretrained_path, (str, Path))
                                      else pretrained_path)]
+        if mp_group is None:
+            init_distributed()  # a script started by torchrun needs no set-up of its own
         ctx = ParallelContext.from_group(mp_group)
         device = _resolve_device(device)
         dtype = _resolve_dtype(dtype, device)
 
-        spec = read_spec(folders, llama_type, [str(p) for p in llama_config])
+        spec = read_spec(folders, llama_type, [str(p) for p in llama_config or ()])
         tokenizer = Tokenizer.from_path(tokenizer_path or _found_tokenizer(folders))
         model_args, transformer = model_classes(spec.llama_type)
         config = {**spec.config, "max_seq_len": max_seq_len}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from accessory.errors import AccessoryError
@@ -49,13 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
 def run_generate(args) -> None:
     from accessory.checkpoint.default_model import ensure_default_model
     from accessory.model.meta import MetaModel
-    from accessory.parallel import ParallelContext
     import torch.distributed as dist
 
-    ctx = ParallelContext.from_group()
     paths = args.pretrained_path
     if not paths:
-        if ctx.rank == 0:  # one process imports the default model; the others wait for it
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one process per node imports it; the others wait
             ensure_default_model()
         if dist.is_initialized():
             dist.barrier()

@@ -68,5 +68,5 @@ def smollm2_checkpoint() -> Path:
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _one_thread():
+def _limit_threads():
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -207,3 +207,10 @@ def test_one_rank_failing_to_load_fails_every_rank(tiny_checkpoints):
     errors = run_ranks(2, load_with_rank1_read_error, tiny_checkpoints["mha", 2])
     assert "model-parallel rank 1 failed: OSError: Input/output error reading shard" in str(errors[0])
     assert isinstance(errors[1], OSError)
+
+
+def test_explicit_tokenizer_path_wins(tiny_checkpoints, tmp_path, llama_tokenizer):
+    folder = copy_of(tiny_checkpoints["mha", 1], tmp_path)
+    (folder / "tokenizer.model").unlink()
+    expect_error(folder, "no tokenizer.model or tokenizer.json", "pass tokenizer_path")
+    assert torch.equal(logits_of(folder, tokenizer_path=llama_tokenizer), logits_of(tiny_checkpoints["mha", 1]))

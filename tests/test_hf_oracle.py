@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny import TINY_CONFIGS, tiny_state_dict
+from tiny import TINY_CONFIGS, greedy_ids, tiny_state_dict
 
 GEN_STEPS = 32
 PROMPT = "The quick brown fox jumps over"
@@ -55,12 +55,11 @@ def hf_greedy(model, ids: list[int], steps: int) -> list[int]:
 
 
 def our_logits_and_tokens(folder):
-    from accessory.generation.engine import decode_steps
     from accessory.model.meta import MetaModel
 
     model = MetaModel.from_pretrained(folder, max_seq_len=128)
     ids = model.tokenizer.encode(PROMPT, bos=True, eos=False)
-    tokens = [step[0] for step in decode_steps(model.llma, [ids], GEN_STEPS)]
+    [tokens] = greedy_ids(model, [ids], GEN_STEPS)
     return ids, model.llma(torch.tensor([ids]))[0], tokens
 
 

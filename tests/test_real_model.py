@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from distributed import free_port, run_ranks
+from tiny import greedy_ids
 
 QUESTION = "What is the capital of France?"
 GEN_STEPS = 32
@@ -46,13 +47,12 @@ def test_two_ranks_are_refused_before_loading(smollm2_checkpoint):
 
 
 def greedy_tokens(folder) -> list[int]:
-    from accessory.generation.engine import decode_steps
     from accessory.model.meta import MetaModel
 
     model = MetaModel.from_pretrained(folder, max_seq_len=512)
     ids = model.tokenizer.encode_chat(QUESTION)
     # no stop tokens: compare all 32 steps, past the end of the answer too
-    return ids, [step[0] for step in decode_steps(model.llma, [ids], GEN_STEPS)]
+    return ids, greedy_ids(model, [ids], GEN_STEPS)[0]
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,9 @@
-"""The decode loop: prompts in, one step of new tokens per row out, identical on every model-parallel rank.
+"""The decode loop for one wave of prompts: identical tokens on every model-parallel rank, per-row stopping.
 
-Rank agreement is structural: the source rank's sampled tokens are broadcast every step, so no caller has to seed
-every rank's global RNG alike. The KV cache is allocated for the call and freed after it.
+Prompts of different lengths are left-padded so that every row's next token lands in the same cache column; each
+row keeps its own RoPE positions and never sees padding. A row that stops is dropped from the batch (its cache
+rows are compacted away), so it costs no more compute. Rank agreement is structural: the source rank's sampled
+tokens are broadcast every step, so no caller has to seed every rank's global RNG alike.
 """
 from __future__ import annotations
 
@@ -9,57 +11,71 @@ from typing import Collection, Iterator, Optional
 
 import torch
 
-from accessory.generation.sampling import sample
+from accessory.generation.sampling import SamplingParams, sample
 
 
-def decode_steps(model, prompts: list[list[int]], max_gen_len: int, temperature: float = 0.0, top_p: float = 0.95,
-                 seed: int = 0, stop_ids: Collection[int] = (),
-                 stopped: Optional[list[bool]] = None) -> Iterator[list[Optional[int]]]:
-    """Yield, per step, each row's new token (None for a row that is still reading its prompt or has stopped).
+def decode_steps(model, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator,
+                 stop_ids: Collection[int] = (), stopped: Optional[list[bool]] = None,
+                 keep_cache_bytes: int = 0) -> Iterator[list[Optional[int]]]:
+    """Yield, per step, each row's new token, or None for a row that has stopped or just hit a stop token.
 
-    A row stops after `max_gen_len` tokens, on a token in `stop_ids` (which is not yielded), or when the caller
-    sets `stopped[row]` (stop strings are the caller's: they need text). Prompts may differ in length: every row
-    starts at the shortest prompt's end and keeps reading its own prompt tokens until they run out.
+    A row stops after `params.max_gen_len` tokens, on a token in `stop_ids` (not yielded), or when the caller sets
+    `stopped[row]` between steps (stop strings are the caller's: they need text). Every prompt plus max_gen_len must
+    fit in max_seq_len (the caller truncates). The KV cache is kept afterwards only if it is at most
+    `keep_cache_bytes` (a pool of one, reused by the next call that fits).
     """
-    args, ctx = model.args, model.ctx
+    batch = len(prompts)
     lengths = [len(p) for p in prompts]
+    width = max(lengths)
     if min(lengths) == 0:
         raise ValueError(f"prompt {lengths.index(0)} is empty after tokenization")
-    if max(lengths) >= args.max_seq_len:
-        raise ValueError(f"a prompt of {max(lengths)} tokens leaves no room to generate within max_seq_len "
-                         f"{args.max_seq_len}")
-    total_len = min(args.max_seq_len, max(lengths) + max_gen_len)
+    if width + params.max_gen_len > model.args.max_seq_len:
+        raise ValueError(f"prompt ({width} tokens) + max_gen_len ({params.max_gen_len}) exceeds max_seq_len "
+                         f"({model.args.max_seq_len})")
     device = model.rotations.device
-    tokens = torch.zeros(len(prompts), total_len, dtype=torch.long, device=device)
+    stopped = stopped if stopped is not None else [False] * batch
+    stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+
+    pad = torch.tensor([width - n for n in lengths], device=device)  # (B,) left padding per row
+    tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
     for row, prompt in enumerate(prompts):
-        tokens[row, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-    in_prompt = torch.arange(total_len, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
-    generator = torch.Generator(device=device).manual_seed(seed)
-    stopped = stopped if stopped is not None else [False] * len(prompts)
-    stop_ids = set(stop_ids)
+        tokens[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+    padded = bool(pad.any())
+    columns = torch.arange(width + params.max_gen_len, device=device)
+    key_valid = columns[None, :] >= pad[:, None] if padded else None  # (B, total): False on padding
+    seen = None
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(batch, model.args.vocab_size, dtype=torch.bool, device=device)
+        seen.scatter_(1, tokens, True)
+        seen[:, 0] &= torch.tensor([0 in p for p in prompts], device=device)  # padding token 0 is not "seen"
 
-    model.setup_caches(len(prompts), total_len)
+    model.setup_caches(batch, width + params.max_gen_len)
     try:
-        prev = 0
-        for cur in range(min(lengths), total_len):
-            logits = model(tokens[:, prev:cur], prev, last_only=True)
-            chosen = ctx.broadcast(sample(logits, temperature, top_p, generator).to(ctx.device)).to(device)
-            tokens[:, cur] = torch.where(in_prompt[:, cur], tokens[:, cur], chosen)
-            yield _settle_step(tokens[:, cur].tolist(), cur, lengths, max_gen_len, stop_ids, stopped)
-            prev = cur
-            if all(stopped):
+        positions = (columns[None, :width] - pad[:, None]).clamp(min=0) if padded else None
+        logits = model(tokens, 0, positions, key_valid, last_only=True)
+        active = list(range(batch))  # the original row of each batch slot
+        for step in range(params.max_gen_len):
+            chosen = model.ctx.broadcast(sample(logits, params, generator, seen).to(model.ctx.device)).to(device)
+            is_stop = torch.isin(chosen, stop_ids).tolist()
+            out: list[Optional[int]] = [None] * batch
+            for slot, (row, token) in enumerate(zip(active, chosen.tolist())):
+                out[row] = None if is_stop[slot] else token
+                stopped[row] = stopped[row] or is_stop[slot] or step + 1 == params.max_gen_len
+            yield out
+            keep = [slot for slot, row in enumerate(active) if not stopped[row]]
+            if not keep:
                 break
+            if len(keep) < len(active):  # drop finished rows: they cost nothing from here on
+                index = torch.tensor(keep, device=device)
+                model.keep_cache_rows(index)
+                active = [active[slot] for slot in keep]
+                chosen, pad = chosen[index], pad[index]
+                key_valid = key_valid[index] if key_valid is not None else None
+                seen = seen[index] if seen is not None else None
+            if seen is not None:
+                seen[torch.arange(len(active), device=device), chosen] = True
+            column = width + step
+            logits = model(chosen[:, None], column, (column - pad)[:, None], key_valid, last_only=True)
     finally:
-        model.free_caches()
-
-
-def _settle_step(step: list[int], cur: int, lengths: list[int], max_gen_len: int, stop_ids: set,
-                 stopped: list[bool]) -> list[Optional[int]]:
-    out = []
-    for row, token in enumerate(step):
-        if stopped[row] or cur < lengths[row]:
-            out.append(None)
-            continue
-        stopped[row] = token in stop_ids or cur + 1 - lengths[row] >= max_gen_len
-        out.append(None if token in stop_ids else token)
-    return out
+        if model.cache_nbytes > keep_cache_bytes:
+            model.free_caches()

@@ -60,9 +60,9 @@ def rope_table(freqs: torch.Tensor, max_seq_len: int, device: torch.device) -> t
 
 
 def apply_rope(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
-    """Rotate Meta-style interleaved pairs (x[2i], x[2i+1]). x: (B, L, H, D); rotations: (L, D / 2) complex."""
+    """Rotate Meta-style interleaved pairs (x[2i], x[2i+1]). x: (B, L, H, D); rotations: (B or 1, L, D / 2)."""
     pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))  # (B, L, H, D/2)
-    rotated = pairs * rotations[None, :, None, :]
+    rotated = pairs * rotations[:, :, None, :]
     return torch.view_as_real(rotated).flatten(3).type_as(x)
 
 
@@ -82,6 +82,15 @@ class KVCache(nn.Module):
         self.v[:batch, :, start_pos:end] = v
         return self.k[:batch, :, :end], self.v[:batch, :, :end]
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Move the cached rows `rows` to the front (in order): the batch shrinks when rows finish."""
+        self.k[: len(rows)] = self.k[rows]
+        self.v[: len(rows)] = self.v[rows]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
 
 class Attention(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ctx: ParallelContext):
@@ -98,7 +107,8 @@ class Attention(nn.Module):
         self.wo = RowParallelLinear(n_heads * self.head_dim, dim, ctx)
         self.cache: Optional[KVCache] = None  # set by the engine (Transformer.setup_caches), not by forward
 
-    def forward(self, x: torch.Tensor, start_pos: int, rotations: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start_pos: int, rotations: torch.Tensor,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         batch, seqlen, _ = x.shape
         q = apply_rope(self.wq(x).view(batch, seqlen, self.n_local_heads, self.head_dim), rotations)
         k = apply_rope(self.wk(x).view(batch, seqlen, self.n_local_kv_heads, self.head_dim), rotations)
@@ -108,21 +118,30 @@ class Attention(nn.Module):
             k, v = self.cache.update(start_pos, k, v)  # (B, H_kv, start_pos + L, D)
         elif start_pos:
             raise RuntimeError("start_pos > 0 needs a KV cache: call setup_caches first")
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(start_pos, seqlen, x.device),
-                                             is_causal=start_pos == 0 and seqlen > 1, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True,
+                                             is_causal=mask is None and start_pos == 0 and seqlen > 1)
         return self.wo(out.transpose(1, 2).reshape(batch, seqlen, -1))
 
 
-def causal_mask(start_pos: int, seqlen: int, device) -> Optional[torch.Tensor]:
-    """Mask for queries at start_pos.. over keys 0..start_pos+seqlen-1, or None when SDPA needs none.
+def attention_mask(start_pos: int, seqlen: int, key_valid: Optional[torch.Tensor] = None,
+                   device=None) -> Optional[torch.Tensor]:
+    """Which keys each query may see, for queries at cache columns start_pos.. (True = may attend).
 
-    A single new token sees every cached key; a prompt from position 0 uses SDPA's own causal mask.
+    Returns (B or 1, 1, L, start_pos + L) bool, or None when SDPA needs no mask: a single new token sees every cached
+    key, and a prompt from column 0 uses SDPA's own causal flag. `key_valid` (B, >= start_pos + L) marks the
+    columns that hold real tokens (False for left padding).
     """
-    if seqlen == 1 or start_pos == 0:
+    if key_valid is None and (seqlen == 1 or start_pos == 0):
         return None
-    keys = torch.arange(start_pos + seqlen, device=device)
-    queries = torch.arange(start_pos, start_pos + seqlen, device=device)
-    return keys[None, :] <= queries[:, None]  # (L, start_pos + L), True = may attend
+    end = start_pos + seqlen
+    device = key_valid.device if key_valid is not None else device
+    keys = torch.arange(end, device=device)[None, :]
+    queries = torch.arange(start_pos, end, device=device)[:, None]
+    allowed = keys <= queries  # (L, end)
+    if key_valid is not None:
+        # A padding query sees itself, so no row is all-masked (that would give NaN); its output is never used.
+        allowed = (allowed & key_valid[:, None, :end]) | (keys == queries)  # (B, L, end)
+    return allowed.unsqueeze(-3)
 
 
 class FeedForward(nn.Module):

@@ -13,8 +13,9 @@ from torch import nn
 from accessory.checkpoint.config import read_spec
 from accessory.checkpoint.load import load_weights
 from accessory.errors import ConfigError, TokenizerError
-from accessory.generation.engine import decode_steps
-from accessory.generation.text import RowText
+from accessory.generation.chat import render_chat
+from accessory.generation.runner import fit_prompt, stream_rows
+from accessory.generation.sampling import SamplingParams
 from accessory.model.LLM import model_classes
 from accessory.model.tokenizer import Tokenizer, find_tokenizer
 from accessory.parallel import ParallelContext, init_distributed
@@ -33,6 +34,8 @@ class MetaModel(nn.Module):
         self.ctx: ParallelContext = llma.ctx
         # One stop-token set for every call: EOS, and the chat template's end-of-turn token if it has one.
         self.stop_ids = set(tokenizer.eos_ids) | (tokenizer.chat_stop_ids if tokenizer.has_chat_template else set())
+        self.max_batch_size: int = llma.args.max_batch_size  # larger inputs run in waves of this many rows
+        self.keep_cache_bytes: int = 256 << 20  # a KV cache up to this size is kept for the next call
 
     @classmethod
     def from_pretrained(cls, pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optional[str] = None,
@@ -85,48 +88,161 @@ class MetaModel(nn.Module):
                  ctx.world_size, dtype, device)
         return cls(llma.eval(), tokenizer, spec.llama_type)
 
-    @torch.inference_mode()
+    # ---- generation -------------------------------------------------------------------------------------------
+
     def generate(self, prompts: Sequence[str], images=None, max_gen_len: int = 512, temperature: float = 0.0,
-                 top_p: float = 0.95, additional_stop_symbols: Sequence[str] = (),
-                 seed: Optional[int] = None) -> list[str]:
-        """Complete each prompt; every rank returns the same texts (the source rank's prompts are used)."""
-        rows = [RowText(self.tokenizer, additional_stop_symbols) for _ in prompts]
-        for _ in self._steps(list(prompts), rows, images, max_gen_len, temperature, top_p, seed):
-            pass
-        return [row.text for row in rows]
+                 top_p: float = 0.95, additional_stop_symbols: Sequence[str] = (), seed: Optional[int] = None, *,
+                 top_k: int = 0, repetition_penalty: float = 1.0, truncate: str = "left") -> list[str]:
+        """Complete each prompt; every rank returns the same texts (the source rank's prompts and seed are used).
 
-    @torch.inference_mode()
-    def stream_generate(self, prompt: str, image=None, max_gen_len: int = 512, temperature: float = 0.0,
-                        top_p: float = 0.95, additional_stop_symbols: Sequence[str] = (),
-                        seed: Optional[int] = None) -> Iterator[dict]:
-        """Yield {"text": text so far, "end_of_content": False} as text settles, then the whole text with True.
-
-        Text that could still turn into a stop string is held back until it cannot.
+        Stops on the tokenizer's end-of-sequence ids, the chat template's end-of-turn token, or any of
+        `additional_stop_symbols` (cut from the text). `truncate`: what to do when a prompt plus max_gen_len exceeds
+        max_seq_len: "left" keeps the prompt's end (with a warning), "error" raises ValueError.
         """
-        row = RowText(self.tokenizer, additional_stop_symbols)
-        shown = ""
-        for _ in self._steps([prompt], [row], image, max_gen_len, temperature, top_p, seed):
-            if row.visible != shown and not row.stopped:
-                shown = row.visible
-                yield {"text": shown, "end_of_content": False}
-        yield {"text": row.text, "end_of_content": True}
+        if isinstance(prompts, str):
+            raise ValueError("generate expects a list of prompts; for one prompt pass [prompt]")
+        params = SamplingParams(max_gen_len, temperature, top_p, top_k, repetition_penalty)
+        events = []
+        for events in self._stream(prompts, images, params, additional_stop_symbols, seed, truncate):
+            pass
+        return [event["text"] for event in events]
 
-    def _steps(self, prompts: list[str], rows: list[RowText], images, max_gen_len, temperature, top_p, seed):
+    def stream_generate(self, prompt: Union[str, Sequence[str]], image=None, max_gen_len: int = 512,
+                        temperature: float = 0.0, top_p: float = 0.95, additional_stop_symbols: Sequence[str] = (),
+                        seed: Optional[int] = None, *, top_k: int = 0, repetition_penalty: float = 1.0,
+                        truncate: str = "left") -> Iterator:
+        """Stream one prompt as dicts {"text": text so far, "delta": new text, "end_of_content": bool}, the last
+        with end_of_content True; or a list of prompts as lists of such dicts, one per prompt, whenever any changes.
+
+        Text that could still become a stop symbol, or is an incomplete UTF-8 character, is held back until clear.
+        """
+        params = SamplingParams(max_gen_len, temperature, top_p, top_k, repetition_penalty)
+        batch = not isinstance(prompt, str)
+        yield from _changed_events(self._stream(list(prompt) if batch else [prompt], image, params,
+                                                additional_stop_symbols, seed, truncate), batch)
+
+    def chat(self, messages: list[dict], max_gen_len: int = 512, temperature: float = 0.0, top_p: float = 0.95,
+             seed: Optional[int] = None, *, template: Optional[str] = None, **options) -> str:
+        """The assistant's reply to OpenAI-style messages ([{"role": "system"|"user"|"assistant", "content"}]).
+
+        `template`: None uses the model's own chat template (or LLaMA2-Accessory's default conversation if it has
+        none); a name from `accessory.data.conversation.conv_templates` uses that one, with its stop symbols.
+        """
+        text = ""
+        for event in self.stream_chat(messages, max_gen_len, temperature, top_p, seed, template=template, **options):
+            text = event["text"]
+        return text
+
+    def stream_chat(self, messages: list[dict], max_gen_len: int = 512, temperature: float = 0.0, top_p: float = 0.95,
+                    seed: Optional[int] = None, *, template: Optional[str] = None,
+                    additional_stop_symbols: Sequence[str] = (), **options) -> Iterator[dict]:
+        """`chat`, streamed as `stream_generate` streams one prompt."""
+        prompt, stops = render_chat(self.tokenizer, messages, template)
+        yield from self.stream_generate(prompt, None, max_gen_len, temperature, top_p,
+                                        [*stops, *additional_stop_symbols], seed, **options)
+
+    def _stream(self, prompts: list[str], images, params: SamplingParams, stop_strings, seed, truncate):
         if images is not None:
             raise NotImplementedError("images: multimodal llama types are not built yet")
+        if not prompts:
+            raise ValueError("prompts is empty: pass at least one prompt")
         # The source rank's prompts and seed win, so ranks cannot disagree even if their callers do.
-        prompts, seed = self.ctx.broadcast_object((prompts, secrets.randbits(63) if seed is None else seed))
-        tokens = [self.tokenizer.encode(p, bos=True, eos=False) for p in prompts]
-        stopped = [False] * len(rows)
-        for step in decode_steps(self.llma, tokens, max_gen_len, temperature, top_p, seed, self.stop_ids, stopped):
-            for row, token in zip(rows, step):
-                if token is not None:
-                    row.push(token)
-            for i, row in enumerate(rows):
-                stopped[i] = stopped[i] or row.stopped
-            yield
-        for row in rows:
-            row.finish()
+        prompts, seed = self.ctx.broadcast_object((list(prompts), secrets.randbits(63) if seed is None else seed))
+        max_seq_len = self.llma.args.max_seq_len
+        tokens = [fit_prompt(self.tokenizer.encode(p, bos=True, eos=False), params, max_seq_len, truncate, i)
+                  for i, p in enumerate(prompts)]
+        with torch.inference_mode():
+            yield from stream_rows(self.llma, self.tokenizer, tokens, params, seed, self.stop_ids,
+                                   list(stop_strings), self.max_batch_size, self.keep_cache_bytes)
+
+    # ---- scoring ---------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def compute_logits(self, examples: Sequence[Union[str, list[int]]], images=None, bos: bool = True,
+                       eos: bool = False) -> list[torch.Tensor]:
+        """Float32 logits (len_i, vocab) for every position of each example (text, or token ids)."""
+        if images is not None:
+            raise NotImplementedError("images: multimodal llama types are not built yet")
+        examples = self._tokenized(examples, bos, eos)
+        self.llma.free_caches()  # scoring runs without a cache
+        logits = []
+        for start in range(0, len(examples), self.max_batch_size):
+            wave = examples[start: start + self.max_batch_size]
+            # right padding: causal attention never lets a real token see the padding after it
+            tokens = torch.zeros(len(wave), max(map(len, wave)), dtype=torch.long, device=self.llma.rotations.device)
+            for row, ids in enumerate(wave):
+                tokens[row, :len(ids)] = torch.tensor(ids)
+            out = self.llma(tokens)
+            logits += [out[row, :len(ids)] for row, ids in enumerate(wave)]
+        return logits
+
+    @torch.inference_mode()
+    def evaluate_examples(self, examples: Sequence[Union[str, list[int]]],
+                          contexts: Optional[Sequence[Union[str, list[int]]]] = None, images=None, bos: bool = True,
+                          eos: bool = False) -> dict[str, list]:
+        """LLaMA2-Accessory's metrics of each example's tokens after its context (all but the first if none).
+
+        Returns lists, one item per example: "log_likelihood" (sum of token log-probs), "ppl" (mean negative
+        log-likelihood per token, LLaMA2-Accessory's name for it), "perplexity" (exp of that), "max_equal" (greedy
+        decoding reproduces every token), "non_context_logits" (the logits that predict those tokens).
+        """
+        tokens = self._tokenized(examples, bos, eos)
+        context_tokens = self._tokenized(contexts, bos, False) if contexts is not None else None
+        if context_tokens is not None:
+            if len(context_tokens) != len(tokens):
+                raise ValueError(f"{len(tokens)} examples but {len(context_tokens)} contexts")
+            for i, (example, context) in enumerate(zip(tokens, context_tokens)):
+                if example[:len(context)] != context or not context:
+                    raise ValueError(f"context {i} is empty or is not the start of example {i} once tokenized")
+        result = {"log_likelihood": [], "ppl": [], "perplexity": [], "max_equal": [], "non_context_logits": []}
+        for i, logits in enumerate(self.compute_logits(tokens, images)):
+            start = len(context_tokens[i]) - 1 if context_tokens is not None else 0
+            predicting = logits[start:-1]
+            labels = torch.tensor(tokens[i][start + 1:], device=logits.device)
+            nll = torch.nn.functional.cross_entropy(predicting, labels, reduction="none")
+            result["log_likelihood"].append(-nll.sum().item())
+            result["ppl"].append(nll.mean().item())
+            result["perplexity"].append(nll.mean().exp().item())
+            result["max_equal"].append(bool((predicting.argmax(-1) == labels).all()))
+            result["non_context_logits"].append(predicting)
+        return result
+
+    @torch.inference_mode()
+    def next_token_probs(self, prompt: str, top_k: int = 10, temperature: float = 1.0) -> list[tuple[str, float, int]]:
+        """The `top_k` likeliest next tokens after `prompt`: [(token_text, probability, token_id), ...], most likely
+        first, probabilities from softmax(logits / temperature) over the whole vocabulary."""
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature!r}")
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k!r}")
+        [logits] = self.compute_logits([prompt])
+        probs = torch.softmax(logits[-1] / temperature, dim=-1)
+        values, ids = probs.topk(min(top_k, probs.numel()))
+        return [(self.tokenizer.decode([i]), p, i) for p, i in zip(values.tolist(), ids.tolist())]
+
+    def _tokenized(self, examples, bos: bool, eos: bool) -> list[list[int]]:
+        if isinstance(examples, str) or not examples:
+            raise ValueError("examples must be a non-empty list of texts or token-id lists")
+        examples = self.ctx.broadcast_object(list(examples))
+        tokens = [self.tokenizer.encode(e, bos, eos) if isinstance(e, str) else list(e) for e in examples]
+        for i, ids in enumerate(tokens):
+            if not 0 < len(ids) <= self.llma.args.max_seq_len:
+                raise ValueError(f"example {i} has {len(ids)} tokens; scoring needs 1 to max_seq_len "
+                                 f"({self.llma.args.max_seq_len})")
+        return tokens
+
+
+def _changed_events(steps, batch: bool):
+    """The events of a single prompt as they change (ending with end_of_content), or batch steps that changed."""
+    ended = None
+    for events in steps:
+        now = [e["end_of_content"] for e in events]
+        if any(e["delta"] for e in events) or now != ended:
+            if batch:
+                yield [dict(e) for e in events]
+            else:
+                yield dict(events[0])
+        ended = now
 
 
 def _found_tokenizer(folders: list[Path]) -> Path:

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from accessory.errors import ConfigError
-from accessory.model.components import (Attention, FeedForward, KVCache, RMSNorm, rope_frequencies,
-                                        rope_table)
+from accessory.model.components import (Attention, FeedForward, KVCache, RMSNorm, attention_mask,
+                                        rope_frequencies, rope_table)
 from accessory.parallel import ColumnParallelLinear, ParallelContext, ParallelEmbedding
 
 
@@ -119,8 +119,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x: torch.Tensor, start_pos: int, rotations: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), start_pos, rotations)
+    def forward(self, x: torch.Tensor, start_pos: int, rotations: torch.Tensor,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), start_pos, rotations, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -157,13 +158,14 @@ class Transformer(nn.Module):
         return self.args.rope_scaling
 
     def setup_caches(self, batch: int, max_seq_len: int) -> None:
-        """Preallocate every layer's KV cache (idempotent for the same or a smaller size)."""
+        """Make sure every layer has a KV cache of at least (batch, max_seq_len); reuse the current one if it fits."""
         if max_seq_len > self.args.max_seq_len:
             raise ValueError(f"{max_seq_len} positions requested; the model was set up for max_seq_len "
                              f"{self.args.max_seq_len}")
         first = self.layers[0].attention.cache
         if first is not None and first.k.shape[0] >= batch and first.k.shape[2] >= max_seq_len:
             return
+        self.free_caches()  # before allocating, so the old and new never coexist
         weight = self.tok_embeddings.weight
         for layer in self.layers:
             attn = layer.attention
@@ -174,14 +176,32 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.cache = None
 
+    @property
+    def cache_nbytes(self) -> int:
+        return sum(layer.attention.cache.nbytes for layer in self.layers if layer.attention.cache is not None)
+
+    def keep_cache_rows(self, rows: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.attention.cache.keep_rows(rows)
+
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start_pos: int = 0, last_only: bool = False) -> torch.Tensor:
-        """Logits (float32) for tokens (B, L) at positions start_pos..: (B, L, vocab), or (B, vocab) if last_only."""
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0, positions: Optional[torch.Tensor] = None,
+                key_valid: Optional[torch.Tensor] = None, last_only: bool = False) -> torch.Tensor:
+        """Logits (float32) for tokens (B, L) written at cache columns start_pos..: (B, L, vocab), or (B, vocab)
+        if last_only.
+
+        `positions` (B, L) are each token's RoPE positions when rows are left-padded (default: the columns);
+        `key_valid` (B, >= start_pos + L) marks the cache columns that hold real tokens.
+        """
         seqlen = tokens.shape[1]
         h = self.tok_embeddings(tokens)
-        rotations = self.rotations[start_pos: start_pos + seqlen]
+        if positions is None:
+            rotations = self.rotations[start_pos: start_pos + seqlen][None]
+        else:
+            rotations = self.rotations[positions]
+        mask = attention_mask(start_pos, seqlen, key_valid, tokens.device)
         for layer in self.layers:
-            h = layer(h, start_pos, rotations)
+            h = layer(h, start_pos, rotations, mask)
         if last_only:
             h = h[:, -1]
         return self.output(self.norm(h)).float()

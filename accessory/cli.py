@@ -1,6 +1,7 @@
 """`accessory` command line: one verb per job; each verb's handler is imported only when it runs.
 
     accessory generate [--pretrained_path DIR ...] --prompt TEXT [--chat] ...   (alone or under torchrun)
+    accessory chat [--pretrained_path DIR ...] [--template NAME] [--system TEXT] ...
     accessory convert {gguf,hf} SRC DST --shards N
 """
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from accessory.errors import AccessoryError
@@ -18,24 +20,20 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True)
 
     gen = verbs.add_parser("generate", help="complete a prompt (run under torchrun for tensor parallelism)")
-    model = gen.add_argument_group("model")
-    model.add_argument("--pretrained_path", nargs="+", help="checkpoint folder(s), later ones overriding earlier "
-                       "ones (default: the built-in SmolLM2-135M-Instruct, imported on first use)")
-    model.add_argument("--llama_type", help="model type (default: meta.json's, else llama)")
-    model.add_argument("--llama_config", nargs="+", default=[], help="config files overriding the folder's")
-    model.add_argument("--tokenizer_path", help="tokenizer.model / tokenizer.json (default: found beside weights)")
-    model.add_argument("--max_seq_len", type=int, default=4096)
-    model.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: bf16 on CUDA, fp32 on CPU")
-    model.add_argument("--device", help="default: cuda if available, else cpu")
-    sampling = gen.add_argument_group("generation")
+    _add_model_args(gen)
+    sampling = _add_sampling_args(gen)
     sampling.add_argument("--prompt", required=True)
     sampling.add_argument("--chat", action="store_true",
                           help="wrap the prompt in the model's chat template; stop at its end-of-turn token")
-    sampling.add_argument("--max_gen_len", type=_positive_int, default=512)
-    sampling.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
-    sampling.add_argument("--top_p", type=_probability, default=0.95)
-    sampling.add_argument("--seed", type=int, help="makes sampling reproducible")
     gen.set_defaults(handler=run_generate)
+
+    chat = verbs.add_parser("chat", help="multi-turn chat in the terminal (rank 0 reads it under torchrun)")
+    _add_model_args(chat)
+    sampling = _add_sampling_args(chat)
+    sampling.add_argument("--template", help="a LLaMA2-Accessory conversation template name (default: the "
+                          "model's own chat template)")
+    sampling.add_argument("--system", help="system message for every conversation")
+    chat.set_defaults(handler=run_chat)
 
     conv = verbs.add_parser("convert", help="import a GGUF file or a Hugging Face folder as sharded checkpoint")
     conv.add_argument("source", choices=["gguf", "hf"])
@@ -47,10 +45,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_generate(args) -> None:
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model")
+    model.add_argument("--pretrained_path", nargs="+", help="checkpoint folder(s), later ones overriding earlier "
+                       "ones (default: the built-in SmolLM2-135M-Instruct, imported on first use)")
+    model.add_argument("--llama_type", help="model type (default: meta.json's, else llama)")
+    model.add_argument("--llama_config", nargs="+", default=[], help="config files overriding the folder's")
+    model.add_argument("--tokenizer_path", help="tokenizer.model / tokenizer.json (default: found beside weights)")
+    model.add_argument("--max_seq_len", type=_positive_int, default=4096)
+    model.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: bf16 on CUDA, fp32 on CPU")
+    model.add_argument("--device", help="default: cuda if available, else cpu")
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser):
+    sampling = parser.add_argument_group("generation")
+    sampling.add_argument("--max_gen_len", type=_positive_int, default=512)
+    sampling.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
+    sampling.add_argument("--top_p", type=_probability, default=0.95)
+    sampling.add_argument("--top_k", type=_non_negative_int, default=0, help="0 = no top-k cut")
+    sampling.add_argument("--repetition_penalty", type=_positive_float, default=1.0, help="1 = off")
+    sampling.add_argument("--seed", type=int, help="makes sampling reproducible")
+    return sampling
+
+
+def _sampling_kwargs(args) -> dict:
+    return dict(max_gen_len=args.max_gen_len, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                repetition_penalty=args.repetition_penalty, seed=args.seed)
+
+
+def _load_model(args):
+    """Every rank loads the model; with no --pretrained_path, the built-in one (imported once per node)."""
+    import torch.distributed as dist
+
     from accessory.checkpoint.default_model import ensure_default_model
     from accessory.model.meta import MetaModel
-    import torch.distributed as dist
 
     paths = args.pretrained_path
     if not paths:
@@ -59,16 +87,68 @@ def run_generate(args) -> None:
         if dist.is_initialized():
             dist.barrier()
         paths = [ensure_default_model()]
-    model = MetaModel.from_pretrained(paths, llama_type=args.llama_type, llama_config=args.llama_config,
-                                      tokenizer_path=args.tokenizer_path, max_seq_len=args.max_seq_len,
-                                      dtype=args.dtype, device=args.device)
-    prompt = args.prompt
+    return MetaModel.from_pretrained(paths, llama_type=args.llama_type, llama_config=args.llama_config,
+                                     tokenizer_path=args.tokenizer_path, max_seq_len=args.max_seq_len,
+                                     dtype=args.dtype, device=args.device)
+
+
+def run_generate(args) -> None:
+    model = _load_model(args)
     if args.chat:
-        prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    [text] = model.generate([prompt], max_gen_len=args.max_gen_len, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.seed)
+        text = model.chat([{"role": "user", "content": args.prompt}], **_sampling_kwargs(args))
+    else:
+        [text] = model.generate([args.prompt], **_sampling_kwargs(args))
     if model.ctx.is_source:
         print(text, flush=True)
+
+
+CHAT_HELP = "Type a message and press Enter. /reset starts a new conversation, /exit (or Ctrl-D) quits."
+
+
+def run_chat(args) -> None:
+    """Rank 0 reads the terminal and broadcasts each line; every rank generates; rank 0 streams the reply."""
+    model = _load_model(args)
+    source = model.ctx.is_source
+    if not source:  # the terminal's Ctrl-C reaches every rank; the source turns it into a clean end for all
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
+    if source:
+        print(CHAT_HELP, flush=True)
+    while True:
+        line = model.ctx.broadcast_object(_read_line("user> ") if source else None)
+        if line is None or line.strip() == "/exit":
+            break
+        if line.strip() == "/reset":
+            messages = list(system)
+            if source:
+                print("(new conversation)", flush=True)
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = ""
+        for event in model.stream_chat(messages, template=args.template, **_sampling_kwargs(args)):
+            reply = event["text"]
+            if source:
+                print(event["delta"], end="", flush=True)
+        if source:
+            print(flush=True)
+        messages.append({"role": "assistant", "content": reply})
+
+
+def _read_line(prompt: str):
+    """A line from the terminal, or None on Ctrl-D / Ctrl-C (then every rank ends cleanly)."""
+    # Not input(): without the readline module it writes the prompt to stderr, where logs go.
+    print(prompt, end="", flush=True)
+    try:
+        line = sys.stdin.readline()
+    except KeyboardInterrupt:
+        line = ""
+    if not line:
+        print(flush=True)
+        return None
+    return line.rstrip("\n")
 
 
 def run_convert(args) -> None:
@@ -93,6 +173,9 @@ def main(argv=None) -> None:
         logging.getLogger("accessory").error("%s", e)
         _leave_without_barrier()
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C: end quietly, as a shell expects (status 130)
+        _leave_without_barrier()
+        sys.exit(130)
     except BaseException:
         _leave_without_barrier()
         raise
@@ -126,6 +209,20 @@ def _non_negative_float(value: str) -> float:
     x = float(value)
     if x < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return x
+
+
+def _non_negative_int(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return n
+
+
+def _positive_float(value: str) -> float:
+    x = float(value)
+    if x <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return x
 
 

@@ -281,7 +281,9 @@ def hf_runner(gguf: Path, tokenizer, prompt_ids: list[list[int]], n: int):
         return {"seconds": end - start, "prefill": (stamps[0] if stamps else end) - start, "tokens": new,
                 "steps": len(stamps)}
 
-    return run, {"name": f"HF transformers {transformers.__version__}", "ranks": 1}
+    eos = model.generation_config.eos_token_id
+    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return run, {"name": f"HF transformers {transformers.__version__}", "ranks": 1, "eos_ids": eos_ids}
 
 
 def with_other_load(run) -> dict:
@@ -364,20 +366,28 @@ def table(results: list[dict], args) -> str:
 
 
 def agreement(results: list[dict]) -> str:
-    """How far ours and HF emit the same greedy tokens (a check that both ran the same weights and prompts)."""
+    """How far ours and HF emit the same greedy tokens (a check that both ran the same weights and prompts).
+
+    Expected differences: min_new_tokens stops HF from choosing EOS, while ours (stop tokens off) may choose it, so
+    rows can part where ours emitted an EOS id.
+    """
     out = []
     for r in results:
         peer = next((h for h in results if h["engine"].startswith("HF") and h["batch"] == r["batch"]), None)
         if peer is None or r is peer:
             continue
-        common = []
+        common, at_eos = [], 0
         for a, b in zip(r["tokens"], peer["tokens"]):
             k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             common.append(k)
+            at_eos += k < len(a) and a[k] in peer.get("eos_ids", [])
         same = sum(k == r["new_tokens"] for k in common)
-        out.append(f"greedy agreement, {r['engine']} vs HF at batch {r['batch']}: {same}/{len(common)} rows "
-                   f"identical over all {r['new_tokens']} tokens; mean common prefix "
-                   f"{statistics.mean(common):.1f} tokens")
+        line = (f"greedy agreement, {r['engine']} vs HF at batch {r['batch']}: {same}/{len(common)} rows identical "
+                f"over all {r['new_tokens']} tokens; mean common prefix {statistics.mean(common):.1f} tokens")
+        if same < len(common):
+            line += (f"; {at_eos} of the {len(common) - same} other rows part where ours emitted EOS, which "
+                     f"min_new_tokens forbids HF")
+        out.append(line)
     return "\n".join(out)
 
 

@@ -85,3 +85,19 @@ def test_convert_hf_folder_loads_the_same_model(name, tiny_checkpoints, tmp_path
     _, logits, tokens = our_logits_and_tokens(tiny_checkpoints[name, 1])
     assert (converted_logits - logits).abs().max().item() < 1e-5
     assert converted_tokens == tokens
+
+
+@pytest.mark.parametrize("name", list(TINY_CONFIGS))
+def test_repetition_penalty_matches_hf_generate(name, tiny_checkpoints):
+    """Greedy decoding with a repetition penalty: the same tokens as HF's RepetitionPenaltyLogitsProcessor gives."""
+    from accessory.model.meta import MetaModel
+
+    model = MetaModel.from_pretrained(tiny_checkpoints[name, 1], max_seq_len=128)
+    prompts = [model.tokenizer.encode(p, bos=True, eos=False) for p in (PROMPT, "A B A B A B A B")]
+    ours = greedy_ids(model, prompts, GEN_STEPS, repetition_penalty=1.5)
+    assert ours != greedy_ids(model, prompts, GEN_STEPS), "the penalty should change something"
+    hf = hf_model(TINY_CONFIGS[name])
+    for ids, tokens in zip(prompts, ours):
+        out = hf.generate(torch.tensor([ids]), do_sample=False, repetition_penalty=1.5, max_new_tokens=GEN_STEPS,
+                          min_new_tokens=GEN_STEPS, pad_token_id=0)
+        assert out[0, len(ids):].tolist() == tokens

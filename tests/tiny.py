@@ -36,13 +36,13 @@ def tiny_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     return weights
 
 
-def greedy_ids(model, prompts: list[list[int]], steps: int) -> list[list[int]]:
+def greedy_ids(model, prompts: list[list[int]], steps: int, **sampling) -> list[list[int]]:
     """Exactly `steps` greedy tokens per prompt (no stop tokens), straight from the engine."""
     from accessory.generation.engine import decode_steps
     from accessory.generation.sampling import SamplingParams
 
     out = [[] for _ in prompts]
-    for step in decode_steps(model.llma, prompts, SamplingParams(max_gen_len=steps), torch.Generator()):
+    for step in decode_steps(model.llma, prompts, SamplingParams(max_gen_len=steps, **sampling), torch.Generator()):
         for row, token in enumerate(step):
             if token is not None:
                 out[row].append(token)

@@ -16,7 +16,7 @@ are forced to generate exactly N new tokens per row:
 Each (engine, batch size) runs in its own subprocess so its memory high-water mark is its own: `peak` is
 `getrusage(RUSAGE_SELF).ru_maxrss` at the end (the whole process, model load included); `loaded` is the resident
 size after loading; `gen +` is the high-water mark during the timed generate calls above `loaded` (the kernel's
-peak is reset via /proc/self/clear_refs after loading; where that is not allowed, ru_maxrss is used instead).
+peak is reset via /proc/self/clear_refs after the warm-up call; where that is not allowed, ru_maxrss is used instead).
 One warm-up call, then the median of `--repeats` calls. `prefill s` is the time until every row has its first new
 token; `decode tok/s` is the rest: B * (N - 1) tokens over (seconds - prefill s).
 
@@ -97,7 +97,7 @@ def main() -> None:
                   file=sys.stderr, flush=True)
             wait_for_quiet(args.quiet_wait)
             results.append(run_worker(args, engine, batch, nproc))
-    print(table(results, args))
+    print(table(results))
     print(agreement(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
@@ -144,12 +144,11 @@ def worker(args) -> None:
 
     torch.set_num_threads(args.threads)
     from accessory.checkpoint.default_model import ensure_default_model, gguf_path
-    from accessory.model.tokenizer import Tokenizer
+    from accessory.model.tokenizer import Tokenizer, find_tokenizer
 
     folder = ensure_default_model()
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.batch)]
-    tokenizer = Tokenizer.from_path(folder / "tokenizer.json" if (folder / "tokenizer.json").is_file() else
-                                    folder / "tokenizer.model")
+    tokenizer = Tokenizer.from_path(find_tokenizer([folder]))
     prompt_ids = [tokenizer.encode(p, bos=True, eos=False) for p in prompts]
     n = args.new_tokens
     if args.worker == "ours":
@@ -192,34 +191,25 @@ def ours_runner(folder: Path, prompts: list[str], n: int):
     if hasattr(model, "stop_ids"):
         model.stop_ids = set()  # EOS must not end a row early
     ctx = model.ctx
-    record: dict = {}
+    record: dict = {}  # reset by every run()
     engine = importlib.import_module("accessory.generation.engine")
     original = engine.decode_steps
     names = list(inspect.signature(original).parameters)
 
-    def argument(a: list, kw: dict, name: str, value=None, replace: bool = False):
-        """Read (or replace) the argument `name` of a decode_steps call, positional or keyword."""
-        if name in kw:
-            if replace:
-                kw[name] = value
-            return kw[name]
-        index = names.index(name) if name in names else len(a)
-        if index < len(a):
-            if replace:
-                a[index] = value
-            return a[index]
-        if replace and name in names:
-            kw[name] = value
-        return None
-
     def counting_decode_steps(*a, **kw):
         a = list(a)
-        argument(a, kw, "stop_ids", (), replace=True)  # EOS cannot end a row: every row makes exactly n tokens
-        rows = [[] for _ in argument(a, kw, "prompts")]
-        record.update(tokens=rows, steps=0, prefill=None)
+        if "stop_ids" in kw:  # EOS cannot end a row: every row makes exactly n tokens
+            kw["stop_ids"] = ()
+        elif "stop_ids" in names and names.index("stop_ids") < len(a):
+            a[names.index("stop_ids")] = ()
+        elif "stop_ids" in names:
+            kw["stop_ids"] = ()
+        rows = record["tokens"]
+        first = len(rows)  # generate may run its rows in several waves, one decode_steps call each
         for step in original(*a, **kw):
             record["steps"] += 1
-            for row, token in zip(rows, step):
+            rows += [[] for _ in range(first + len(step) - len(rows))]
+            for row, token in zip(rows[first:], step):
                 if token is not None:
                     row.append(token)
             if record["prefill"] is None and all(rows):
@@ -235,6 +225,7 @@ def ours_runner(folder: Path, prompts: list[str], n: int):
         raise SystemExit("no accessory module calls accessory.generation.engine.decode_steps; update the benchmark")
 
     def run() -> dict:
+        record.update(tokens=[], steps=0, prefill=None)
         if ctx.world_size > 1:
             torch.distributed.barrier(group=ctx.group)
         start = time.perf_counter()
@@ -349,17 +340,18 @@ def reduce_over_ranks(mem: dict):
 
 # ---------------------------------------------------------------------------------------------------- report
 
-def table(results: list[dict], args) -> str:
+def table(results: list[dict]) -> str:
     hf = {r["batch"]: r for r in results if r["engine"].startswith("HF")}
-    lines = ["| engine | batch | new tokens | steps | seconds | tokens/s | vs HF | prefill s | decode tok/s "
+    lines = ["| engine | batch | new tokens | steps | seconds | (range) | tokens/s | vs HF | prefill s | decode tok/s "
              "| peak RSS MiB | loaded MiB | gen + MiB | other load |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in results:
         tps = r["generated"] / r["seconds"]
         peer = hf.get(r["batch"])
         ratio = f"{tps / (peer['generated'] / peer['seconds']):.2f}x" if peer else "-"
         decode = r["batch"] * (r["new_tokens"] - 1) / max(r["seconds"] - r["prefill"], 1e-9)
         lines.append(f"| {r['engine']} | {r['batch']} | {r['generated']} | {r['steps']} | {r['seconds']:.2f} "
+                     f"| {min(r['all_seconds']):.2f}-{max(r['all_seconds']):.2f} "
                      f"| {tps:.1f} | {ratio} | {r['prefill']:.2f} | {decode:.1f} | {r['peak_kib'] / 1024:.0f} "
                      f"| {r['loaded_kib'] / 1024:.0f} | {r['gen_delta_kib'] / 1024:.0f} | {r['other_load']:.2f} |")
     return "\n".join(lines)

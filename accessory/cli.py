@@ -198,36 +198,18 @@ def _setup_logging() -> None:
                         format=f"[accessory rank {rank}] %(levelname)s %(message)s")
 
 
-def _positive_int(value: str) -> int:
-    n = int(value)
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return n
+def _checked(convert, ok, expected: str):
+    """An argparse type: `convert` the text, then refuse values that are not `ok`, saying what was expected."""
+    def parse(value: str):
+        x = convert(value)
+        if not ok(x):
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {value}")
+        return x
+    return parse
 
 
-def _non_negative_float(value: str) -> float:
-    x = float(value)
-    if x < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return x
-
-
-def _non_negative_int(value: str) -> int:
-    n = int(value)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return n
-
-
-def _positive_float(value: str) -> float:
-    x = float(value)
-    if x <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return x
-
-
-def _probability(value: str) -> float:
-    x = float(value)
-    if not 0 < x <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return x
+_positive_int = _checked(int, lambda n: n > 0, "a positive integer")
+_non_negative_int = _checked(int, lambda n: n >= 0, ">= 0")
+_positive_float = _checked(float, lambda x: x > 0, "> 0")
+_non_negative_float = _checked(float, lambda x: x >= 0, ">= 0")
+_probability = _checked(float, lambda x: 0 < x <= 1, "in (0, 1]")

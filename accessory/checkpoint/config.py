@@ -5,13 +5,13 @@ Per folder, in order: `meta.json` (llama_type), Meta's `params.json`, `config.js
 """
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 from accessory.errors import ConfigError
+from accessory.jsonfile import read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -26,16 +26,6 @@ class CheckpointSpec:
     config: dict  # merged model config values (keys of the llama_type's ModelArgs)
 
 
-def read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: cannot be read as JSON ({e})") from e
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path}: expected a JSON object, found {type(value).__name__}")
-    return value
-
-
 def read_spec(folders: Sequence[Path], llama_type: Optional[str] = None,
               llama_config: Sequence[str] = ()) -> CheckpointSpec:
     """Merge meta.json / params.json / config.json of every folder, then `llama_config`; check every key."""
@@ -45,7 +35,7 @@ def read_spec(folders: Sequence[Path], llama_type: Optional[str] = None,
     for folder in folders:
         meta_path = folder / "meta.json"
         if meta_path.is_file():
-            meta = read_json(meta_path)
+            meta = read_json_object(meta_path, ConfigError)
             if unknown := sorted(set(meta) - META_KEYS):
                 raise ConfigError(f"{meta_path}: unknown key(s) {unknown}; meta.json holds {sorted(META_KEYS)}")
             found_type = meta.get("llama_type", found_type)
@@ -57,7 +47,7 @@ def read_spec(folders: Sequence[Path], llama_type: Optional[str] = None,
     model_args, _ = model_classes(llama_type, source=source)
     config = {}
     for path in config_files:
-        values = read_json(path)
+        values = read_json_object(path, ConfigError)
         model_args.check_keys(values, str(path))
         config.update(values)
     log.info("llama_type %s, config from %s", llama_type, [str(p) for p in config_files])

@@ -46,8 +46,8 @@ def decode_steps(model, prompts: list[list[int]], params: SamplingParams, genera
     seen = None
     if params.repetition_penalty != 1.0:
         seen = torch.zeros(batch, model.args.vocab_size, dtype=torch.bool, device=device)
-        seen.scatter_(1, tokens, True)
-        seen[:, 0] &= torch.tensor([0 in p for p in prompts], device=device)  # padding token 0 is not "seen"
+        for row, prompt in enumerate(prompts):
+            seen[row, torch.tensor(prompt, device=device)] = True
 
     model.setup_caches(batch, width + params.max_gen_len)
     try:

@@ -17,25 +17,29 @@ class RowText:
         self.tokenizer, self.stop_strings = tokenizer, [s for s in stop_strings if s]
         self.ids: list[int] = []
         self.text = ""  # all settled text
-        self._prefix = self._read = 0  # ids[_prefix:_read] were decoded last time as context for the next piece
+        self._prefix = self._read = 0  # ids[_prefix:_read] are the last settled piece: context for the next
+        self._context = ""  # their decoded text
         self.stopped = False
 
     def push(self, token: int) -> None:
         if self.stopped:
             return
         self.ids.append(token)
-        context = self.tokenizer.decode(self.ids[self._prefix:self._read])
-        window = self.tokenizer.decode(self.ids[self._prefix:])
-        if len(window) > len(context) and not window.endswith("\ufffd"):
-            self.text += window[len(context):]
-            self._prefix, self._read = self._read, len(self.ids)
-        self._cut_at_stop_string()
+        self._settle(force=False)
 
     def finish(self) -> None:
         """No more tokens: settle whatever is pending (even an incomplete character)."""
-        context = self.tokenizer.decode(self.ids[self._prefix:self._read])
-        self.text += self.tokenizer.decode(self.ids[self._prefix:])[len(context):]
-        self._prefix = self._read = len(self.ids)
+        if not self.stopped:
+            self._settle(force=True)
+
+    def _settle(self, force: bool) -> None:
+        # Decode the pending tokens together with the previous piece as context (the tokenizer needs it for
+        # leading spaces), and take what they add -- unless that ends in half a character and more may come.
+        window = self.tokenizer.decode(self.ids[self._prefix:])
+        if force or (len(window) > len(self._context) and not window.endswith("\ufffd")):
+            self.text += window[len(self._context):]
+            self._prefix, self._read = self._read, len(self.ids)
+            self._context = self.tokenizer.decode(self.ids[self._prefix:self._read])
         self._cut_at_stop_string()
 
     def _cut_at_stop_string(self) -> None:

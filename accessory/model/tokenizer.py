@@ -20,6 +20,7 @@ import sentencepiece
 import tokenizers
 
 from accessory.errors import TokenizerError
+from accessory.jsonfile import read_json_object
 
 # When a folder holds both, tokenizer.json wins: HF repos that ship both (Llama-2, Mistral) treat tokenizer.json as
 # the complete tokenizer (it carries the added chat tokens and the BOS post-processor; transformers loads it too),
@@ -249,15 +250,7 @@ def _ids(value) -> list[int]:
 
 def _read_json(path: Path) -> dict:
     """A JSON object file, or {} when there is none."""
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TokenizerError(f"cannot read {path}: {e}") from e
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(path, TokenizerError) if path.is_file() else {}
 
 
 def _load_chat_template(folder: Path, config: dict) -> Optional[jinja2.Template]:

@@ -5,7 +5,6 @@ HF's convert script applies `meta_to_hf_qk` below; we apply its inverse on impor
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -14,6 +13,7 @@ import torch
 from accessory.checkpoint.importers import (ImportedModel, check_shapes, expand_templates, rename_strict,
                                             validated_args)
 from accessory.errors import CheckpointError, ConfigError
+from accessory.jsonfile import read_json_object
 
 # HF name -> canonical name; `{i}` is the layer index.
 HF_TO_META = {
@@ -212,10 +212,4 @@ def _load_bin(path: Path) -> dict[str, torch.Tensor]:
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path}: not found; an HF LlamaForCausalLM folder needs it")
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: cannot read as JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, found {type(value).__name__}")
-    return value
+    return read_json_object(path, CheckpointError)

@@ -1,0 +1,210 @@
+"""What the two gradio chat demos share: their flags, the settings panel, the streamed reply, and the launch.
+
+Every rank loads the model and runs the generation service in its main thread; only the model-parallel source rank
+serves the page, and its requests reach the other ranks through the service's broadcasts. A demo script only says
+which messages the model sees for a question (`single_turn.py`: the question alone; `multi_turn.py`: the whole
+conversation).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Callable, Iterator
+
+from accessory import cli
+from accessory.data.conversation import template_names
+from accessory.errors import AccessoryError
+
+log = logging.getLogger("accessory.demos")
+
+MODEL_TEMPLATE = "(the model's own chat template)"  # the template dropdown's first choice: template=None
+# Replies streamed at once, one gradio worker thread each; the service batches them. More wait in gradio's queue.
+CONCURRENT_REPLIES = 32
+FINISHED = {"stop": "Done.", "length": "Done: cut at max_gen_len.", "cancelled": "Stopped."}
+
+# An OpenAI-style message list: [{"role": "system" | "user" | "assistant", "content": str}, ...]
+Messages = list[dict]
+# Which messages the model sees when answering the last user message of a conversation (system prompt apart).
+Context = Callable[[Messages], Messages]
+
+
+def parse_args(description: str, argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
+    cli._add_model_args(parser)
+    cli._add_sampling_args(parser)  # their values are the settings panel's initial values
+    page = parser.add_argument_group("page")
+    page.add_argument("--host", default="127.0.0.1", help="address to serve the page on (0.0.0.0: every interface)")
+    page.add_argument("--port", type=cli._positive_int, default=7860)
+    page.add_argument("--template", choices=template_names(),
+                      help="LLaMA2-Accessory conversation template selected at start (default: the model's own)")
+    page.add_argument("--system", default="", help="system message selected at start")
+    return parser.parse_args(argv)
+
+
+def main(title: str, context: Context, argv=None) -> None:
+    """Load the model on every rank, serve the page from the source rank, and return when the service is shut
+    down (SIGTERM or Ctrl-C to the source rank, or to torchrun)."""
+    args = parse_args(title, argv)
+    from accessory.parallel import init_distributed, shutdown_distributed
+
+    init_distributed()
+    cli._setup_logging()
+    try:
+        serve(title, context, args)
+    except AccessoryError as e:  # a bad checkpoint or flag: say so, without a stack trace
+        log.error("%s", e)
+        cli._leave_without_barrier()
+        sys.exit(2)
+    except BaseException:
+        cli._leave_without_barrier()
+        raise
+    shutdown_distributed()
+
+
+def serve(title: str, context: Context, args: argparse.Namespace) -> None:
+    from accessory.serve.engine import GenerationService
+
+    model = cli._load_model(args)
+    service = GenerationService(model)
+    service.install_signal_handlers()
+    page, error = None, None
+    if model.ctx.is_source:
+        try:
+            page = launch(build_page(title, service, context, args, describe(model, args)), args)
+        except Exception as e:  # e.g. the port is taken: the other ranks must not wait for a page that never opens
+            error = e
+    model.ctx.raise_if_any_failed(error)
+    try:
+        service.run()
+    finally:
+        if page is not None:
+            page.close()
+
+
+def describe(model, args: argparse.Namespace) -> str:
+    from pathlib import Path
+
+    name = Path(args.pretrained_path[-1]).name if args.pretrained_path else "the built-in SmolLM2-135M-Instruct"
+    ranks = model.ctx.world_size
+    return f"{name} at {ranks} model-parallel rank{'s' if ranks > 1 else ''}"
+
+
+def launch(page, args: argparse.Namespace):
+    import gradio as gr
+
+    # System fonts: the default theme's web fonts would be fetched from the internet by every browser.
+    theme = gr.themes.Default(font=["ui-sans-serif", "system-ui", "sans-serif"],
+                              font_mono=["ui-monospace", "monospace"])
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # gradio's own start-up requests, one line each
+    page.queue(default_concurrency_limit=CONCURRENT_REPLIES).launch(
+        server_name=args.host, server_port=args.port, prevent_thread_lock=True, ssr_mode=False, show_error=True,
+        max_threads=CONCURRENT_REPLIES + 8, theme=theme, footer_links=[], quiet=True)
+    log.info("demo page: http://%s:%d", args.host, args.port)
+    return page
+
+
+def build_page(title: str, service, context: Context, args: argparse.Namespace, about: str):
+    """The chat column (conversation, message box, Submit / Stop / Undo / Clear) beside the settings column."""
+    import gradio as gr
+
+    with gr.Blocks(title=title, analytics_enabled=False) as page:
+        gr.Markdown(f"## {title}\n{about}")
+        history = gr.State([])  # the conversation as the model sees it; the chatbot only displays it
+        with gr.Row():
+            with gr.Column(scale=3):
+                chatbot = gr.Chatbot(elem_id="chatbot", label="conversation", height=420, feedback_options=None,
+                                     buttons=["copy", "copy_all"])
+                status = gr.Markdown("", elem_id="status")
+                message = gr.Textbox(elem_id="message", label="message", lines=2, max_lines=10, autofocus=True,
+                                     placeholder="Type a message; Enter sends it, Shift+Enter starts a new line")
+                with gr.Row():
+                    submit = gr.Button("Submit", variant="primary", elem_id="submit")
+                    stop = gr.Button("Stop", elem_id="stop")
+                    undo = gr.Button("Undo", elem_id="undo")
+                    clear = gr.Button("Clear", elem_id="clear")
+            with gr.Column(scale=2):
+                settings = settings_panel(args)
+
+        def reply(text, messages, *values):
+            yield from stream_reply(service, context, text, messages, *values)
+
+        answering = gr.on([message.submit, submit.click], reply, [message, history, *settings],
+                          [message, history, chatbot, status], concurrency_limit=CONCURRENT_REPLIES,
+                          trigger_mode="once")
+        # Cancelling the reply closes its generator, which cancels the request and frees its batch row.
+        stop.click(None, cancels=[answering])
+        undo.click(undo_last, history, [history, chatbot, status], cancels=[answering])
+        # the chatbot's own trash icon clears only what it shows: clear the history with it
+        gr.on([clear.click, chatbot.clear], lambda: ([], [], ""), None, [history, chatbot, status],
+              cancels=[answering])
+    return page
+
+
+def settings_panel(args: argparse.Namespace) -> list:
+    """The template, system message and sampling controls, in `stream_reply`'s argument order."""
+    import gradio as gr
+
+    gr.Markdown("### Settings")
+    template = gr.Dropdown([MODEL_TEMPLATE, *template_names()], value=args.template or MODEL_TEMPLATE,
+                           label="conversation template")
+    system = gr.Textbox(args.system, label="system message", placeholder="none")
+    max_gen_len = gr.Slider(1, args.max_seq_len, min(args.max_gen_len, args.max_seq_len), step=1,
+                            label="max_gen_len (tokens per answer)")
+    temperature = gr.Slider(0, 2, args.temperature, step=0.05, label="temperature (0: greedy)")
+    top_p = gr.Slider(0.01, 1, args.top_p, step=0.01, label="top_p")
+    top_k = gr.Slider(0, 200, args.top_k, step=1, label="top_k (0: off)")
+    repetition_penalty = gr.Slider(min(1.0, args.repetition_penalty), 2, args.repetition_penalty, step=0.05,
+                                   label="repetition_penalty (1: off)")
+    # a textbox, not gr.Number: the browser shows an empty Number as 0, and empty must mean "a new seed"
+    seed = gr.Textbox("" if args.seed is None else str(args.seed), label="seed (empty: a new one for each answer)",
+                      placeholder="random")
+    return [template, system, max_gen_len, temperature, top_p, top_k, repetition_penalty, seed]
+
+
+def stream_reply(service, context: Context, text: str, history: Messages, template: str, system: str,
+                 max_gen_len, temperature, top_p, top_k, repetition_penalty, seed) -> Iterator[tuple]:
+    """Add the user's message, then stream the answer: yields (message box, history, chatbot, status)."""
+    if not text.strip():
+        yield text, history, display(history), ""
+        return
+    sampling = dict(max_gen_len=int(max_gen_len), temperature=float(temperature), top_p=float(top_p),
+                    top_k=int(top_k), repetition_penalty=float(repetition_penalty), seed=parse_seed(seed))
+    history = [*history, {"role": "user", "content": text}]
+    messages = ([{"role": "system", "content": system}] if system.strip() else []) + context(history)
+    # Submitted before the page changes: a refusal (a bad seed, a full queue) leaves the message in its box.
+    handle = service.submit_chat(messages, sampling, template=None if template == MODEL_TEMPLATE else template)
+    finish = None
+    try:
+        yield "", history, display(history), "Answering..."
+        for event in handle:
+            answered = [*history, {"role": "assistant", "content": event["text"]}]
+            finish = event["finish_reason"]
+            yield "", answered, display(answered), FINISHED.get(finish, "Answering...")
+    finally:
+        if finish is None:  # closed early (Stop, Undo, Clear, the browser left): free the row now
+            handle.cancel()
+
+
+def parse_seed(text: str):
+    if not text.strip():
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        import gradio as gr
+
+        raise gr.Error(f"seed must be an integer or empty (a new seed for each answer), got {text!r}") from None
+
+
+def undo_last(history: Messages) -> tuple:
+    """Remove the last exchange: the last user message and the answer after it, if any."""
+    users = [i for i, m in enumerate(history) if m["role"] == "user"]
+    history = history[:users[-1]] if users else []
+    return history, display(history), ""
+
+
+def display(history: Messages) -> list[dict]:
+    # Content as text parts: gradio passes a bare string through inspect.cleandoc, which would strip the
+    # indentation of code in an answer.
+    return [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in history]

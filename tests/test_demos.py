@@ -1,0 +1,328 @@
+"""The gradio chat demos (demos/): the page in a real browser (headless Debian chromium through selenium) against
+the default model, multi-turn at 3 ranks under torchrun and single-turn alone, each stopped by SIGTERM; and, without
+a browser, what each demo sends to the generation service, and the command demos/start.sh builds.
+
+ACCESSORY_DEMO_SCREENSHOT=docs/demo-multi-turn.png refreshes the screenshot in docs/demos.md from the 3-rank run.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from distributed import free_port
+
+sys.path.insert(0, str(REPO / "demos"))  # the demos are scripts, not a package: import them as their runs do
+
+import chat_ui  # noqa: E402
+import multi_turn  # noqa: E402
+import single_turn  # noqa: E402
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+QUESTION = "What is the capital of France?"
+needs_chromium = pytest.mark.skipif(not os.path.exists(CHROMIUM),
+                                    reason=f"{CHROMIUM} is missing (Debian's chromium and chromium-driver; "
+                                           f".ci/run installs them when it runs as root)")
+
+
+# ---- in a browser -------------------------------------------------------------------------------------------------
+
+@needs_chromium
+def test_multi_turn_at_three_ranks_answers_in_the_browser_and_stops_on_sigterm(smollm2_checkpoint, browser, tmp_path):
+    """Rank 0 serves the page, ranks 1 and 2 follow; the model's end-of-turn token <|im_end|> never shows; SIGTERM to
+    the rank-0 worker ends all three cleanly (torchrun's status is 0 only if every rank's is)."""
+    port, log = free_port(), tmp_path / "demo.log"
+    demo = start([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", "--rdzv-backend=c10d",
+                  f"--rdzv-endpoint=127.0.0.1:{free_port()}", "demos/multi_turn.py", "--port", str(port),
+                  "--max_gen_len", "48"], log)
+    try:
+        page = ChatPage(browser, port, demo, log)
+        seen = page.ask(QUESTION)
+        assert "Paris" in page.answer(), page.answer()
+        assert not [text for text in seen if "<|" in text or "im_end" in text], seen
+        if os.environ.get("ACCESSORY_DEMO_SCREENSHOT"):
+            browser.save_screenshot(os.environ["ACCESSORY_DEMO_SCREENSHOT"])
+        workers = worker_pids(demo.pid)
+        assert sorted(workers) == [0, 1, 2], f"torchrun's workers by rank: {workers}"
+        os.kill(workers[0], signal.SIGTERM)
+        assert wait(demo) == 0, log.read_text()[-3000:]
+        assert not [pid for pid in workers.values() if alive(pid)], "a rank outlived torchrun"
+    finally:
+        kill(demo)
+    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+
+
+@needs_chromium
+def test_single_turn_alone_holds_back_the_template_separator_and_undoes(smollm2_checkpoint, browser, tmp_path):
+    """One process, LLaMA2-Accessory's "default" template, whose turns end with "\\n###": no part of it is ever on
+    the page (as text, or as the empty markdown heading a lone "#" line renders to); Undo removes the exchange."""
+    port, log = free_port(), tmp_path / "demo.log"
+    demo = start([sys.executable, "demos/single_turn.py", "--port", str(port), "--template", "default",
+                  "--max_gen_len", "48"], log)
+    try:
+        page = ChatPage(browser, port, demo, log)
+        seen = page.ask(QUESTION)
+        assert "Paris" in page.answer(), page.answer()
+        assert not [text for text in seen if "#" in text or HEADING in text], seen
+        page.click("undo")
+        page.wait_for(lambda: QUESTION not in page.chat_text(), "the exchange to be undone")
+        demo.send_signal(signal.SIGTERM)
+        assert wait(demo) == 0, log.read_text()[-3000:]
+    finally:
+        kill(demo)
+    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+
+
+# ---- the browser and the launch -----------------------------------------------------------------------------------
+
+@pytest.fixture
+def browser(tmp_path):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--window-size=1280,800", f"--user-data-dir={tmp_path / 'chromium'}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+# Records what the chat shows after every change to it, marking a markdown heading (which hides its "#"s).
+HEADING = "[a heading]"
+RECORD_CHAT = """
+const chat = document.querySelector('#chatbot');
+window.chatSeen = [];
+new MutationObserver(() => window.chatSeen.push(
+    chat.innerText + (chat.querySelector('.message :is(h1, h2, h3, h4, h5, h6)') ? ' HEADING' : '')
+)).observe(chat, {subtree: true, childList: true, characterData: true});
+""".replace("HEADING", HEADING)
+
+
+class ChatPage:
+    def __init__(self, driver, port: int, demo: subprocess.Popen, log: Path):
+        self.driver, self.demo, self.log = driver, demo, log
+        url = f"http://127.0.0.1:{port}/"
+        wait_for_page(url, demo, log)
+        driver.get(url)
+        self.wait_for(lambda: self.find("#message textarea"), "the message box")
+
+    def ask(self, question: str) -> list[str]:
+        """Type the question, send it, wait for the whole answer; returns every text the chat showed meanwhile."""
+        from selenium.webdriver.common.by import By
+
+        self.driver.execute_script(RECORD_CHAT)
+        self.driver.find_element(By.CSS_SELECTOR, "#message textarea").send_keys(question)
+        self.click("submit")
+        self.wait_for(lambda: self.text("#status") in ("Done.", "Done: cut at max_gen_len."), "the answer to end")
+        return self.driver.execute_script("return window.chatSeen")
+
+    def answer(self) -> str:
+        return self.text("#chatbot [data-testid='bot']")
+
+    def chat_text(self) -> str:
+        return self.text("#chatbot")
+
+    def click(self, elem_id: str) -> None:
+        self.find(f"#{elem_id}").click()
+
+    def text(self, css: str) -> str:
+        element = self.find(css)
+        return element.text if element is not None else ""
+
+    def find(self, css: str):
+        from selenium.webdriver.common.by import By
+
+        found = self.driver.find_elements(By.CSS_SELECTOR, css)
+        return found[-1] if found else None
+
+    def wait_for(self, ok, what: str, timeout: float = 120) -> None:
+        deadline = time.time() + timeout
+        while not ok():
+            assert self.demo.poll() is None, f"the demo ended while waiting for {what}:\n{self.log.read_text()[-3000:]}"
+            assert time.time() < deadline, f"waited {timeout}s for {what}; chat shows {self.chat_text()!r}"
+            time.sleep(0.1)
+
+
+def start(command: list[str], log: Path) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.Popen(command, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for_page(url: str, demo: subprocess.Popen, log: Path, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while True:
+        assert demo.poll() is None, f"the demo ended (status {demo.returncode}) before serving:\n" \
+                                    f"{log.read_text()[-3000:]}"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        assert time.time() < deadline, f"no page at {url} after {timeout}s:\n{log.read_text()[-3000:]}"
+        time.sleep(0.5)
+
+
+def worker_pids(parent: int) -> dict[int, int]:
+    """{RANK: pid} of the children of `parent` (torchrun) that have RANK in their environment."""
+    pids = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # after "pid (comm)": state, then ppid
+            environ = (stat.parent / "environ").read_bytes().split(b"\0") if ppid == parent else []
+        except (OSError, ValueError, IndexError):  # it ended meanwhile
+            continue
+        ranks = [int(item[5:]) for item in environ if item.startswith(b"RANK=")]
+        if ranks:
+            pids[ranks[0]] = int(stat.parent.name)
+    return pids
+
+
+def wait(proc: subprocess.Popen, timeout: float = 60) -> int:
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running {timeout}s after SIGTERM: {proc.args}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has ended
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """After a failure: end the launch and everything it started (its own session)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+# ---- what the page sends to the service, without a browser --------------------------------------------------------
+
+class FakeService:
+    """Records submitted requests; answers each with the scripted events."""
+
+    def __init__(self, texts: list[str], finish: str = "stop"):
+        self.texts, self.finish, self.requests, self.cancelled = texts, finish, [], 0
+
+    def submit_chat(self, messages, sampling, template=None):
+        self.requests.append((messages, sampling, template))
+        return FakeHandle(self)
+
+
+class FakeHandle:
+    def __init__(self, service: FakeService):
+        self.service = service
+
+    def __iter__(self):
+        texts = self.service.texts
+        for i, text in enumerate(texts):
+            last = i == len(texts) - 1
+            yield {"text": text, "delta": text[len(texts[i - 1]) if i else 0:], "end_of_content": last,
+                   "finish_reason": self.service.finish if last else None}
+
+    def cancel(self):
+        self.service.cancelled += 1
+
+
+SETTINGS = dict(template=chat_ui.MODEL_TEMPLATE, system="", max_gen_len=48, temperature=0.0, top_p=0.95, top_k=0,
+                repetition_penalty=1.0, seed="")
+EARLIER = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+
+
+def reply(service, context, text="Why?", history=EARLIER, **settings) -> list[tuple]:
+    return list(chat_ui.stream_reply(service, context, text, history, *{**SETTINGS, **settings}.values()))
+
+
+def test_multi_turn_sends_the_whole_conversation_and_single_turn_the_question_alone():
+    multi, single = FakeService(["Be", "Because."]), FakeService(["Be", "Because."])
+    reply(multi, multi_turn.whole_conversation)
+    reply(single, single_turn.last_question)
+    asked = {"role": "user", "content": "Why?"}
+    assert multi.requests[0][0] == [*EARLIER, asked]
+    assert single.requests[0][0] == [asked]
+
+
+def test_a_reply_streams_into_the_history_with_the_page_settings():
+    service = FakeService(["Be", "Because."], finish="length")
+    steps = reply(service, multi_turn.whole_conversation, system="Be brief.", template="vicuna_v1_1", seed="7",
+                  top_k=40, temperature=0.5)
+    messages, sampling, template = service.requests[0]
+    assert messages[0] == {"role": "system", "content": "Be brief."} and template == "vicuna_v1_1"
+    assert sampling == dict(max_gen_len=48, temperature=0.5, top_p=0.95, top_k=40, repetition_penalty=1.0, seed=7)
+    box, history, chatbot, status = steps[-1]
+    assert box == "" and history[-1] == {"role": "assistant", "content": "Because."}
+    assert status == "Done: cut at max_gen_len." and len(steps) == 3  # the question, then each event
+    assert chatbot[-1]["content"] == [{"type": "text", "text": "Because."}]
+    service.finish = "stop"
+    assert reply(service, multi_turn.whole_conversation)[-1][3] == "Done."
+    assert service.requests[-1][1]["seed"] is None and service.requests[-1][2] is None  # empty seed; model's own
+
+
+def test_closing_a_reply_early_cancels_its_request_and_a_finished_one_does_not():
+    service = FakeService(["Be", "Because."])
+    steps = chat_ui.stream_reply(service, multi_turn.whole_conversation, "Why?", [], *SETTINGS.values())
+    next(steps), next(steps)  # the question shown, then the first event; then Stop closes the generator
+    steps.close()
+    assert service.cancelled == 1
+    reply(service, multi_turn.whole_conversation)
+    assert service.cancelled == 1
+
+
+def test_an_empty_message_or_a_bad_seed_sends_nothing():
+    import gradio as gr
+
+    service = FakeService(["x"])
+    assert reply(service, multi_turn.whole_conversation, text="  ") == [("  ", EARLIER, chat_ui.display(EARLIER), "")]
+    with pytest.raises(gr.Error, match="seed must be an integer"):
+        reply(service, multi_turn.whole_conversation, seed="one")
+    assert service.requests == []
+
+
+def test_undo_removes_the_last_exchange_even_if_its_answer_was_cut_off():
+    history = [*EARLIER, {"role": "user", "content": "Why?"}, {"role": "assistant", "content": "Beca"}]
+    assert chat_ui.undo_last(history)[0] == EARLIER
+    assert chat_ui.undo_last([*EARLIER, {"role": "user", "content": "Why?"}])[0] == EARLIER
+    assert chat_ui.undo_last(EARLIER)[0] == []
+
+
+# ---- demos/start.sh -----------------------------------------------------------------------------------------------
+
+def start_sh(answers: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(REPO / "demos" / "start.sh"), "--print", *args], input=answers, capture_output=True,
+                          text=True, timeout=30, env=dict(os.environ, PYTHON="python"))
+
+
+def test_start_sh_builds_the_torchrun_command_from_the_answers(tmp_path):
+    demos = REPO / "demos"
+    assert start_sh("\n3\nsingle\n7870\n").stdout.split() == [
+        "python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", f"{demos}/single_turn.py",
+        "--port", "7870"]
+    assert start_sh(f"{tmp_path}\n\n\n\n", "--", "--temperature", "0.7").stdout.split()[4:] == [
+        "--nproc-per-node=1", f"{demos}/multi_turn.py", "--port", "7860", "--pretrained_path", str(tmp_path),
+        "--temperature", "0.7"]
+
+
+@pytest.mark.parametrize("answers, message", [
+    ("/no/such/folder\n", "no such checkpoint folder: /no/such/folder"),
+    ("\nthree\n", "ranks must be a positive integer, got 'three'"),
+    ("\n1\nboth\n", "answer single or multi, got 'both'"),
+    ("\n1\nmulti\n99999\n", "port must be 1-65535, got '99999'"),
+])
+def test_start_sh_refuses_a_bad_answer_by_name(answers, message):
+    result = start_sh(answers)
+    assert result.returncode == 2 and message in result.stderr and result.stdout == ""

@@ -104,7 +104,8 @@ def create_app(service: GenerationService, model_name: str, api_key: Optional[st
 
     @app.get("/health")
     async def health():
-        return {"status": "ok" if service.accepting else "shutting_down", "waiting": service.waiting}
+        return {"status": "ok" if service.accepting else "shutting_down", "running": service.running,
+                "waiting": service.waiting}
 
     @app.get("/v1/models")
     async def models():

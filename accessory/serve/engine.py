@@ -20,7 +20,6 @@ from typing import Any, Callable, Optional, Sequence
 
 from accessory.generation.chat import render_chat
 from accessory.generation.engine import lockstep
-from accessory.generation.runner import fit_prompt
 from accessory.generation.sampling import SamplingParams
 from accessory.generation.scheduler import Request, Scheduler, row_seeds
 
@@ -93,8 +92,9 @@ class GenerationService:
 
     def submit(self, prompt: str, sampling: Optional[dict] = None, stop: Sequence[str] = (),
                loop: Optional[asyncio.AbstractEventLoop] = None) -> Handle:
-        """Queue a completion of `prompt`. `sampling`: SAMPLING_KEYS and "seed" (None: random). Raises ValueError
-        for bad parameters or a prompt that does not fit, QueueFull, or ServiceClosed."""
+        """Queue a completion of `prompt`. `sampling`: SAMPLING_KEYS and "seed" (None: random); max_gen_len
+        defaults to the rest of the window. Raises ValueError for bad parameters or a prompt that does not fit,
+        QueueFull, or ServiceClosed."""
         tokens = self.model.tokenizer.encode(prompt, bos=True, eos=False)
         return self.submit_tokens(tokens, sampling, stop, loop)
 
@@ -116,14 +116,19 @@ class GenerationService:
             raise ValueError(f"unknown sampling parameter(s) {sorted(unknown)}; known: {SAMPLING_KEYS} and seed")
         if seed is not None and not isinstance(seed, int):
             raise ValueError(f"seed must be an integer, got {seed!r}")
-        params = SamplingParams(**sampling)
         if not tokens:
             raise ValueError("the prompt is empty")
-        fit_prompt(tokens, params, self.columns, "error", 0)
+        if len(tokens) >= self.columns:
+            raise ValueError(f"the prompt has {len(tokens)} tokens; this model's max_seq_len is {self.columns}")
+        sampling.setdefault("max_gen_len", self.columns - len(tokens))  # the rest of the window
+        params = SamplingParams(**sampling)
+        if len(tokens) + params.max_gen_len > self.columns:
+            raise ValueError(f"the prompt has {len(tokens)} tokens and at most {params.max_gen_len} may be "
+                             f"generated: together more than this model's max_seq_len, {self.columns}")
         with self._lock:
             if not self.accepting:
                 raise ServiceClosed("the server is shutting down")
-            if self.scheduler.inbox.qsize() + len(self.scheduler.waiting) >= self.max_queue:
+            if self.waiting >= self.max_queue:
                 raise QueueFull(f"{self.max_queue} requests are already waiting; try again later")
             handle = Handle(f"{next(self._ids)}-{secrets.token_hex(6)}", len(tokens), self.scheduler.cancel, loop)
             self._handles[handle.id] = handle
@@ -153,7 +158,13 @@ class GenerationService:
 
     @property
     def waiting(self) -> int:
+        """Requests not yet in the batch."""
         return self.scheduler.inbox.qsize() + len(self.scheduler.waiting)
+
+    @property
+    def running(self) -> int:
+        """Requests accepted and not yet finished (waiting or in the batch)."""
+        return len(self._handles)
 
     # ---- every rank, main thread ---------------------------------------------------------------------------------
 

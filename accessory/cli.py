@@ -2,6 +2,7 @@
 
     accessory generate [--pretrained_path DIR ...] --prompt TEXT [--chat] ...   (alone or under torchrun)
     accessory chat [--pretrained_path DIR ...] [--template NAME] [--system TEXT] ...
+    accessory serve [--pretrained_path DIR ...] [--host H] [--port P] [--api-key KEY] ...   (OpenAI-compatible)
     accessory convert {gguf,hf} SRC DST --shards N
 """
 from __future__ import annotations
@@ -34,6 +35,25 @@ def build_parser() -> argparse.ArgumentParser:
                           "model's own chat template)")
     sampling.add_argument("--system", help="system message for every conversation")
     chat.set_defaults(handler=run_chat)
+
+    serve = verbs.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching (run under "
+                             "torchrun for tensor parallelism; rank 0 listens)")
+    _add_model_args(serve)
+    http = serve.add_argument_group("server")
+    http.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
+    http.add_argument("--port", type=_positive_int, default=8000)
+    http.add_argument("--api-key", default=os.environ.get("ACCESSORY_API_KEY"),
+                      help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                      "(default: $ACCESSORY_API_KEY; none: no key needed)")
+    http.add_argument("--model-name", help="the model id clients name (default: the checkpoint folder's name)")
+    http.add_argument("--template", help="a LLaMA2-Accessory conversation template for chat (default: the "
+                      "model's own chat template)")
+    http.add_argument("--max_batch_size", type=_positive_int, default=16, help="requests decoded together")
+    http.add_argument("--max-queue", type=_positive_int, default=64,
+                      help="requests that may wait for a free row; past it, 429")
+    http.add_argument("--shutdown-grace", type=_non_negative_float, default=30.0,
+                      help="on SIGTERM, seconds to let running requests finish before cancelling them")
+    serve.set_defaults(handler=run_serve, max_seq_len=2048)
 
     conv = verbs.add_parser("convert", help="import a GGUF file or a Hugging Face folder as sharded checkpoint")
     conv.add_argument("source", choices=["gguf", "hf"])
@@ -135,6 +155,19 @@ def run_chat(args) -> None:
         if source:
             print(flush=True)
         messages.append({"role": "assistant", "content": reply})
+
+
+def run_serve(args) -> None:
+    from accessory.serve.server import serve
+
+    model = _load_model(args)
+    model.max_batch_size = args.max_batch_size
+    name = args.model_name or (os.path.basename(os.path.normpath(args.pretrained_path[-1])) if args.pretrained_path
+                               else DEFAULT_MODEL_NAME)
+    serve(model, args.host, args.port, name, args.api_key, args.template, args.max_queue, args.shutdown_grace)
+
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def _read_line(prompt: str):

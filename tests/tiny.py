@@ -37,13 +37,20 @@ def tiny_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def greedy_ids(model, prompts: list[list[int]], steps: int, **sampling) -> list[list[int]]:
-    """Exactly `steps` greedy tokens per prompt (no stop tokens), straight from the engine."""
-    from accessory.generation.engine import decode_steps
+    """Exactly `steps` greedy tokens per prompt (no stop tokens), straight from the engine; the source rank's
+    tokens, on every rank (the engine broadcasts each step's plan, and only the source rank samples)."""
+    from accessory.generation.engine import lockstep
     from accessory.generation.sampling import SamplingParams
+    from accessory.generation.scheduler import Request, Scheduler
 
-    out = [[] for _ in prompts]
-    for step in decode_steps(model.llma, prompts, SamplingParams(max_gen_len=steps, **sampling), torch.Generator()):
-        for row, token in enumerate(step):
-            if token is not None:
-                out[row].append(token)
-    return out
+    llma = model.llma
+    requests = [Request(row, ids, SamplingParams(max_gen_len=steps, **sampling), 0) for row, ids in enumerate(prompts)]
+    scheduler = None
+    if llma.ctx.is_source:
+        scheduler = Scheduler(model.tokenizer, (), len(prompts), llma.args.vocab_size, llma.rotations.device)
+        for request in requests:
+            scheduler.add(request)
+        scheduler.close()
+    for _ in lockstep(llma, llma.ctx, scheduler, len(prompts), max(map(len, prompts)) + steps):
+        pass
+    return llma.ctx.broadcast_object([request.generated for request in requests])

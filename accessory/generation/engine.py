@@ -1,81 +1,119 @@
-"""The decode loop for one wave of prompts: identical tokens on every model-parallel rank, per-row stopping.
+"""Continuous batching in lockstep: every model-parallel rank runs the same steps, the source rank decides them.
 
-Prompts of different lengths are left-padded so that every row's next token lands in the same cache column; each
-row keeps its own RoPE positions and never sees padding. A row that stops is dropped from the batch (its cache
-rows are compacted away), so it costs no more compute. Rank agreement is structural: the source rank's sampled
-tokens are broadcast every step, so no caller has to seed every rank's global RNG alike.
+Each step the source rank's `Scheduler` turns the last step's logits into tokens, text and events, and writes a
+`Plan`: which rows stay (a finished row's cache row is refilled by a live one), the next token of each, and the
+prompts that join. The plan is broadcast, and every rank's `Batch` executes it. So ranks agree by construction
+(no rank samples but the source; no caller has to seed every rank alike), and a request that arrives while others
+decode joins the running batch at the next step.
+
+A row's token at position p lives in KV-cache column p: rows at different positions share one cache, nothing is
+padded, and a row that leaves frees its cache row at once.
 """
 from __future__ import annotations
 
-from typing import Collection, Iterator, Optional
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
 
 import torch
 
-from accessory.generation.sampling import SamplingParams, sample
+
+@dataclass
+class Plan:
+    """One step, as the source rank decided it. `keep[j]` is the current row that becomes row j (rows not named
+    have finished), `tokens[j]` its next input token; `admit` are the prompts (token ids) of rows that join after
+    them. `events` carry what callers see of the previous step, so every rank can yield the same stream."""
+    keep: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    admit: list[list[int]] = field(default_factory=list)
+    events: list[tuple[Any, dict]] = field(default_factory=list)
+    done: bool = False  # the last plan: nothing to run, the loop ends
+    error: Optional[str] = None  # the source rank failed; every rank raises this
+
+    @property
+    def runs(self) -> bool:
+        return bool(self.keep or self.admit)
 
 
-def decode_steps(model, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator,
-                 stop_ids: Collection[int] = (), stopped: Optional[list[bool]] = None,
-                 keep_cache_bytes: int = 0) -> Iterator[list[Optional[int]]]:
-    """Yield, per step, each row's new token, or None for a row that has stopped or just hit a stop token.
+class Batch:
+    """The rows in flight on this rank: their KV-cache rows (0..len-1, in order) and positions."""
 
-    A row stops after `params.max_gen_len` tokens, on a token in `stop_ids` (not yielded), or when the caller sets
-    `stopped[row]` between steps (stop strings are the caller's: they need text). Every prompt plus max_gen_len must
-    fit in max_seq_len (the caller truncates). The KV cache is kept afterwards only if it is at most
-    `keep_cache_bytes` (a pool of one, reused by the next call that fits).
-    """
-    batch = len(prompts)
-    lengths = [len(p) for p in prompts]
-    width = max(lengths)
-    if min(lengths) == 0:
-        raise ValueError(f"prompt {lengths.index(0)} is empty after tokenization")
-    if width + params.max_gen_len > model.args.max_seq_len:
-        raise ValueError(f"prompt ({width} tokens) + max_gen_len ({params.max_gen_len}) exceeds max_seq_len "
-                         f"({model.args.max_seq_len})")
-    device = model.rotations.device
-    stopped = stopped if stopped is not None else [False] * batch
-    stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+    def __init__(self, model, rows: int, columns: int):
+        self.model, self.rows, self.columns = model, rows, columns
+        self.positions: list[int] = []  # next position of each row = tokens cached so far
+        model.setup_caches(rows, columns)
+        self.device = model.rotations.device
 
-    pad = torch.tensor([width - n for n in lengths], device=device)  # (B,) left padding per row
-    tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
-    for row, prompt in enumerate(prompts):
-        tokens[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-    padded = bool(pad.any())
-    columns = torch.arange(width + params.max_gen_len, device=device)
-    key_valid = columns[None, :] >= pad[:, None] if padded else None  # (B, total): False on padding
-    seen = None
-    if params.repetition_penalty != 1.0:
-        seen = torch.zeros(batch, model.args.vocab_size, dtype=torch.bool, device=device)
+    def step(self, plan: Plan) -> Optional[torch.Tensor]:
+        """Run `plan`: logits (rows after the step, vocab) for each row's next token, or None if no rows run."""
+        self._compact(plan.keep)
+        if len(plan.keep) + len(plan.admit) > self.rows:
+            raise RuntimeError(f"plan has {len(plan.keep) + len(plan.admit)} rows; the batch holds {self.rows}")
+        logits = []
+        if plan.keep:
+            logits.append(self._decode(plan.tokens))
+        if plan.admit:
+            logits.append(self._prefill(plan.admit))
+        return torch.cat(logits) if logits else None
+
+    def _compact(self, keep: list[int]) -> None:
+        moves = [(dst, src) for dst, src in enumerate(keep) if dst != src]
+        if moves:
+            end = max(self.positions[src] for _, src in moves)
+            self.model.move_cache_rows([d for d, _ in moves], [s for _, s in moves], end)
+        self.positions = [self.positions[src] for src in keep]
+
+    def _decode(self, tokens: list[int]) -> torch.Tensor:
+        batch = len(tokens)
+        positions = torch.tensor(self.positions, device=self.device)[:, None]
+        inputs = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
+        logits = self.model(inputs, positions, slice(0, batch), torch.zeros(batch, dtype=torch.long,
+                                                                              device=self.device))
+        self.positions = [p + 1 for p in self.positions]
+        return logits
+
+    def _prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        # Right-padded: padding only follows a row's real tokens, so causal attention never lets them see it, and
+        # the padding's cache columns are overwritten by the row's own next tokens before anything reads them.
+        start, lengths = len(self.positions), [len(p) for p in prompts]
+        if min(lengths) < 1 or max(lengths) >= self.columns:
+            raise ValueError(f"prompt lengths {lengths} must be in 1..{self.columns - 1} (the cache's columns)")
+        inputs = torch.zeros(len(prompts), max(lengths), dtype=torch.long, device=self.device)
         for row, prompt in enumerate(prompts):
-            seen[row, torch.tensor(prompt, device=device)] = True
+            inputs[row, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        last = torch.tensor(lengths, device=self.device) - 1
+        logits = self.model(inputs, None, slice(start, start + len(prompts)), last)
+        self.positions += lengths
+        return logits
 
-    model.setup_caches(batch, width + params.max_gen_len)
+
+def lockstep(model, ctx, scheduler, rows: int, columns: int, keep_cache_bytes: int = 0) -> Iterator[Plan]:
+    """Run plans until the last one, on every rank; yield each plan (its events) before running it.
+
+    `scheduler` is the source rank's (None elsewhere): `scheduler.plan(logits)` gives the next Plan from the
+    last step's logits. If the source rank fails, the others hear of it in the next plan and raise too.
+    """
+    batch = Batch(model, rows, columns)
+    logits = None
     try:
-        positions = (columns[None, :width] - pad[:, None]).clamp(min=0) if padded else None
-        logits = model(tokens, 0, positions, key_valid, last_only=True)
-        active = list(range(batch))  # the original row of each batch slot
-        for step in range(params.max_gen_len):
-            chosen = model.ctx.broadcast(sample(logits, params, generator, seen).to(model.ctx.device)).to(device)
-            is_stop = torch.isin(chosen, stop_ids).tolist()
-            out: list[Optional[int]] = [None] * batch
-            for slot, (row, token) in enumerate(zip(active, chosen.tolist())):
-                out[row] = None if is_stop[slot] else token
-                stopped[row] = stopped[row] or is_stop[slot] or step + 1 == params.max_gen_len
-            yield out
-            keep = [slot for slot, row in enumerate(active) if not stopped[row]]
-            if not keep:
-                break
-            if len(keep) < len(active):  # drop finished rows: they cost nothing from here on
-                index = torch.tensor(keep, device=device)
-                model.keep_cache_rows(index)
-                active = [active[slot] for slot in keep]
-                chosen, pad = chosen[index], pad[index]
-                key_valid = key_valid[index] if key_valid is not None else None
-                seen = seen[index] if seen is not None else None
-            if seen is not None:
-                seen[torch.arange(len(active), device=device), chosen] = True
-            column = width + step
-            logits = model(chosen[:, None], column, (column - pad)[:, None], key_valid, last_only=True)
+        while True:
+            plan = _next_plan(scheduler, logits) if ctx.is_source else None
+            plan = ctx.broadcast_object(plan)
+            if plan.error is not None:
+                if scheduler is not None and scheduler.error is not None:
+                    raise scheduler.error
+                raise RuntimeError(f"model-parallel source rank failed: {plan.error}")
+            yield plan
+            if plan.done:
+                return
+            logits = batch.step(plan)
     finally:
         if model.cache_nbytes > keep_cache_bytes:
             model.free_caches()
+
+
+def _next_plan(scheduler, logits) -> Plan:
+    try:
+        return scheduler.plan(logits)
+    except BaseException as e:  # tell the other ranks before raising, so they do not wait forever
+        scheduler.error = e
+        return Plan(done=True, error=f"{type(e).__name__}: {e}")

@@ -1,4 +1,4 @@
-"""Many prompts through the engine: waves of at most `max_batch_size` rows, text per row, events per step.
+"""Many prompts through the engine, continuously batched: at most `max_batch_size` rows at a time, text per row.
 
 `generate`, `stream_generate`, `chat` and `stream_chat` are all thin consumers of `stream_rows`, so they share one
 stop-token set, one stop-string rule and one truncation policy.
@@ -8,11 +8,9 @@ from __future__ import annotations
 import logging
 from typing import Collection, Iterator, Sequence
 
-import torch
-
-from accessory.generation.engine import decode_steps
+from accessory.generation.engine import lockstep
 from accessory.generation.sampling import SamplingParams
-from accessory.generation.text import RowText
+from accessory.generation.scheduler import Request, Scheduler, row_seeds
 
 log = logging.getLogger(__name__)
 TRUNCATE_POLICIES = ("left", "error")
@@ -39,30 +37,33 @@ def fit_prompt(tokens: list[int], params: SamplingParams, max_seq_len: int, trun
 def stream_rows(model, tokenizer, prompts: list[list[int]], params: SamplingParams, seed: int,
                 stop_ids: Collection[int], stop_strings: Sequence[str], max_batch_size: int,
                 keep_cache_bytes: int = 0) -> Iterator[list[dict]]:
-    """Yield after every decode step one dict per prompt: {"text", "delta", "end_of_content"}.
+    """Yield, whenever a row's text changes, one dict per prompt: {"text", "delta", "end_of_content",
+    "finish_reason"} (on every rank: the source rank's events are broadcast with each step's plan).
 
+    At most `max_batch_size` rows decode together; when one finishes, the next prompt takes its place at once.
     `text` is the row's text so far, `delta` what this step added; text that could still become a stop string, or
     is an incomplete UTF-8 character, is held back. A row's last dict has end_of_content True; it stays so (with an
     empty delta) while other rows go on.
     """
-    generator = torch.Generator(device=model.rotations.device).manual_seed(seed)  # one per call
-    rows = [RowText(tokenizer, stop_strings) for _ in prompts]
-    events = [{"text": "", "delta": "", "end_of_content": False} for _ in prompts]
-    for start in range(0, len(prompts), max_batch_size):
-        wave = list(range(start, min(len(prompts), start + max_batch_size)))
-        stopped = [False] * len(wave)
-        for step in decode_steps(model, [prompts[i] for i in wave], params, generator, stop_ids, stopped,
-                                 keep_cache_bytes):
-            for slot, row in enumerate(wave):
-                if events[row]["end_of_content"]:
-                    events[row] = {**events[row], "delta": ""}
-                    continue
-                if step[slot] is not None:
-                    rows[row].push(step[slot])
-                stopped[slot] = stopped[slot] or rows[row].stopped
-                if stopped[slot]:
-                    rows[row].finish()
-                text = rows[row].text if stopped[slot] else rows[row].visible
-                events[row] = {"text": text, "delta": text[len(events[row]["text"]):],
-                               "end_of_content": stopped[slot]}
+    for row, tokens in enumerate(prompts):
+        if not tokens:
+            raise ValueError(f"prompt {row} is empty after tokenization")
+    ctx = model.ctx
+    scheduler = None
+    if ctx.is_source:
+        scheduler = Scheduler(tokenizer, stop_ids, max_batch_size, model.args.vocab_size, model.rotations.device)
+        for row, (tokens, row_seed) in enumerate(zip(prompts, row_seeds(seed, len(prompts)))):
+            scheduler.add(Request(row, tokens, params, row_seed, stop_strings))
+        scheduler.close()
+    events = [{"text": "", "delta": "", "end_of_content": False, "finish_reason": None} for _ in prompts]
+    columns = max(map(len, prompts)) + params.max_gen_len
+    for plan in lockstep(model, ctx, scheduler, min(len(prompts), max_batch_size), columns, keep_cache_bytes):
+        if plan.events:
+            changed = dict(plan.events)
+            events = [_public(changed[row]) if row in changed else {**event, "delta": ""}
+                      for row, event in enumerate(events)]
             yield events
+
+
+def _public(event: dict) -> dict:
+    return {key: event[key] for key in ("text", "delta", "end_of_content", "finish_reason")}

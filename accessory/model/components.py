@@ -5,6 +5,7 @@ Model files (model/LLM/<type>.py) only wire these; there is one implementation o
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
@@ -67,29 +68,50 @@ def apply_rope(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache(nn.Module):
-    """Preallocated keys and values for one attention layer: (B, n_local_kv_heads, max_seq_len, head_dim)."""
+    """Preallocated keys and values for one attention layer: (rows, n_local_kv_heads, columns, head_dim).
 
-    def __init__(self, batch: int, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype, device):
+    A row holds one sequence; its token at RoPE position p lives in column p, so rows at different positions
+    share the cache (continuous batching) and no row ever needs padding.
+    """
+
+    def __init__(self, rows: int, n_kv_heads: int, columns: int, head_dim: int, dtype, device):
         super().__init__()
-        shape = (batch, n_kv_heads, max_seq_len, head_dim)
+        shape = (rows, n_kv_heads, columns, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, start_pos: int, k: torch.Tensor, v: torch.Tensor):
-        """Store k, v (B, H, L, D) at positions start_pos.. and return all keys and values up to them."""
-        batch, end = k.shape[0], start_pos + k.shape[2]
-        self.k[:batch, :, start_pos:end] = k
-        self.v[:batch, :, start_pos:end] = v
-        return self.k[:batch, :, :end], self.v[:batch, :, :end]
+    def update(self, at: "CacheAt", k: torch.Tensor, v: torch.Tensor):
+        """Store k, v (B, H, L, D) for the rows and positions `at` names; return those rows' keys and values up to
+        the last position written: (B, H, end, D)."""
+        rows = at.rows
+        if at.positions is None:  # every row from position 0
+            self.k[rows, :, :k.shape[2]] = k
+            self.v[rows, :, :k.shape[2]] = v
+        else:
+            index = torch.arange(rows.start, rows.stop, device=k.device)[:, None]
+            self.k[index, :, at.positions] = k.transpose(1, 2)  # advanced indices first: (B, L, H, D)
+            self.v[index, :, at.positions] = v.transpose(1, 2)
+        return self.k[rows, :, :at.end], self.v[rows, :, :at.end]
 
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        """Move the cached rows `rows` to the front (in order): the batch shrinks when rows finish."""
-        self.k[: len(rows)] = self.k[rows]
-        self.v[: len(rows)] = self.v[rows]
+    def move_rows(self, dst: list[int], src: list[int], end: int) -> None:
+        """Copy rows `src` to rows `dst` (columns up to `end`): a finished row's place is filled by a live one."""
+        if dst:
+            dst_index, src_index = torch.tensor(dst), torch.tensor(src)
+            self.k[dst_index, :, :end] = self.k[src_index, :, :end]
+            self.v[dst_index, :, :end] = self.v[src_index, :, :end]
 
     @property
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
+
+
+@dataclass(frozen=True)
+class CacheAt:
+    """Where a forward pass reads and writes the KV cache: cache rows `rows` (one per batch row), at `positions`
+    (B, L) (None: 0..L-1 for every row); `end` is one past the last position written."""
+    rows: slice
+    positions: Optional[torch.Tensor]
+    end: int
 
 
 class Attention(nn.Module):
@@ -105,43 +127,32 @@ class Attention(nn.Module):
         self.wk = ColumnParallelLinear(dim, n_kv_heads * self.head_dim, ctx, parts=kv_parts)
         self.wv = ColumnParallelLinear(dim, n_kv_heads * self.head_dim, ctx, parts=kv_parts)
         self.wo = RowParallelLinear(n_heads * self.head_dim, dim, ctx)
-        self.cache: Optional[KVCache] = None  # set by the engine (Transformer.setup_caches), not by forward
+        self.cache: Optional[KVCache] = None  # set by Transformer.setup_caches; used when forward is given `at`
 
-    def forward(self, x: torch.Tensor, start_pos: int, rotations: torch.Tensor,
-                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotations: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                at: Optional[CacheAt] = None) -> torch.Tensor:
         batch, seqlen, _ = x.shape
         q = apply_rope(self.wq(x).view(batch, seqlen, self.n_local_heads, self.head_dim), rotations)
         k = apply_rope(self.wk(x).view(batch, seqlen, self.n_local_kv_heads, self.head_dim), rotations)
         v = self.wv(x).view(batch, seqlen, self.n_local_kv_heads, self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, L, D)
-        if self.cache is not None:
-            k, v = self.cache.update(start_pos, k, v)  # (B, H_kv, start_pos + L, D)
-        elif start_pos:
-            raise RuntimeError("start_pos > 0 needs a KV cache: call setup_caches first")
+        if at is not None:
+            k, v = self.cache.update(at, k, v)  # (B, H_kv, end, D)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True,
-                                             is_causal=mask is None and start_pos == 0 and seqlen > 1)
+                                             is_causal=mask is None and seqlen > 1)
         return self.wo(out.transpose(1, 2).reshape(batch, seqlen, -1))
 
 
-def attention_mask(start_pos: int, seqlen: int, key_valid: Optional[torch.Tensor] = None,
-                   device=None) -> Optional[torch.Tensor]:
-    """Which keys each query may see, for queries at cache columns start_pos.. (True = may attend).
+def attention_mask(positions: Optional[torch.Tensor], end: int) -> Optional[torch.Tensor]:
+    """Which cache columns each query may see (True = may attend): columns up to its own position.
 
-    Returns (B or 1, 1, L, start_pos + L) bool, or None when SDPA needs no mask: a single new token sees every cached
-    key, and a prompt from column 0 uses SDPA's own causal flag. `key_valid` (B, >= start_pos + L) marks the
-    columns that hold real tokens (False for left padding).
+    `positions` (B, L) are the queries' positions, None when every row runs 0..L-1 (SDPA's own causal flag then
+    does the job). Returns (B, 1, L, end) bool, or None.
     """
-    if key_valid is None and (seqlen == 1 or start_pos == 0):
+    if positions is None:
         return None
-    end = start_pos + seqlen
-    device = key_valid.device if key_valid is not None else device
-    keys = torch.arange(end, device=device)[None, :]
-    queries = torch.arange(start_pos, end, device=device)[:, None]
-    allowed = keys <= queries  # (L, end)
-    if key_valid is not None:
-        # A padding query sees itself, so no row is all-masked (that would give NaN); its output is never used.
-        allowed = (allowed & key_valid[:, None, :end]) | (keys == queries)  # (B, L, end)
-    return allowed.unsqueeze(-3)
+    columns = torch.arange(end, device=positions.device)
+    return (columns[None, None, :] <= positions[:, :, None]).unsqueeze(1)
 
 
 class FeedForward(nn.Module):

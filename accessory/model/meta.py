@@ -164,7 +164,6 @@ class MetaModel(nn.Module):
         if images is not None:
             raise NotImplementedError("images: multimodal llama types are not built yet")
         examples = self._tokenized(examples, bos, eos)
-        self.llma.free_caches()  # scoring runs without a cache
         logits = []
         for start in range(0, len(examples), self.max_batch_size):
             wave = examples[start: start + self.max_batch_size]

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from accessory.errors import ConfigError
-from accessory.model.components import (Attention, FeedForward, KVCache, RMSNorm, attention_mask,
+from accessory.model.components import (Attention, CacheAt, FeedForward, KVCache, RMSNorm, attention_mask,
                                         rope_frequencies, rope_table)
 from accessory.parallel import ColumnParallelLinear, ParallelContext, ParallelEmbedding
 
@@ -119,9 +119,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x: torch.Tensor, start_pos: int, rotations: torch.Tensor,
-                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), start_pos, rotations, mask)
+    def forward(self, x: torch.Tensor, rotations: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                at: Optional[CacheAt] = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rotations, mask, at)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -157,20 +157,20 @@ class Transformer(nn.Module):
             return {"rope_type": "llama3", "factor": 8.0}  # Meta's LLaMA-3.1 defaults
         return self.args.rope_scaling
 
-    def setup_caches(self, batch: int, max_seq_len: int) -> None:
-        """Make sure every layer has a KV cache of at least (batch, max_seq_len); reuse the current one if it fits."""
-        if max_seq_len > self.args.max_seq_len:
-            raise ValueError(f"{max_seq_len} positions requested; the model was set up for max_seq_len "
+    def setup_caches(self, rows: int, columns: int) -> None:
+        """Make sure every layer has a KV cache of at least `rows` sequences of `columns` positions; reuse the
+        current one if it fits."""
+        if columns > self.args.max_seq_len:
+            raise ValueError(f"{columns} positions requested; the model was set up for max_seq_len "
                              f"{self.args.max_seq_len}")
         first = self.layers[0].attention.cache
-        if first is not None and first.k.shape[0] >= batch and first.k.shape[2] >= max_seq_len:
+        if first is not None and first.k.shape[0] >= rows and first.k.shape[2] >= columns:
             return
         self.free_caches()  # before allocating, so the old and new never coexist
         weight = self.tok_embeddings.weight
         for layer in self.layers:
             attn = layer.attention
-            attn.cache = KVCache(batch, attn.n_local_kv_heads, max_seq_len, attn.head_dim, weight.dtype,
-                                 weight.device)
+            attn.cache = KVCache(rows, attn.n_local_kv_heads, columns, attn.head_dim, weight.dtype, weight.device)
 
     def free_caches(self) -> None:
         for layer in self.layers:
@@ -180,28 +180,27 @@ class Transformer(nn.Module):
     def cache_nbytes(self) -> int:
         return sum(layer.attention.cache.nbytes for layer in self.layers if layer.attention.cache is not None)
 
-    def keep_cache_rows(self, rows: torch.Tensor) -> None:
+    def move_cache_rows(self, dst: list[int], src: list[int], end: int) -> None:
         for layer in self.layers:
-            layer.attention.cache.keep_rows(rows)
+            layer.attention.cache.move_rows(dst, src, end)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start_pos: int = 0, positions: Optional[torch.Tensor] = None,
-                key_valid: Optional[torch.Tensor] = None, last_only: bool = False) -> torch.Tensor:
-        """Logits (float32) for tokens (B, L) written at cache columns start_pos..: (B, L, vocab), or (B, vocab)
-        if last_only.
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                cache_rows: Optional[slice] = None, logits_at: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Float32 logits for tokens (B, L): (B, L, vocab), or (B, vocab) at index `logits_at` (B,) of each row.
 
-        `positions` (B, L) are each token's RoPE positions when rows are left-padded (default: the columns);
-        `key_valid` (B, >= start_pos + L) marks the cache columns that hold real tokens.
+        `positions` (B, L): each token's position (default 0..L-1 for every row, causal). With `cache_rows`, the
+        keys and values are written to those KV-cache rows at those positions, and each token also sees the
+        earlier positions cached there; without, nothing is cached (scoring).
         """
         seqlen = tokens.shape[1]
         h = self.tok_embeddings(tokens)
-        if positions is None:
-            rotations = self.rotations[start_pos: start_pos + seqlen][None]
-        else:
-            rotations = self.rotations[positions]
-        mask = attention_mask(start_pos, seqlen, key_valid, tokens.device)
+        rotations = self.rotations[:seqlen][None] if positions is None else self.rotations[positions]
+        end = seqlen if positions is None else int(positions.max()) + 1
+        at = CacheAt(cache_rows, positions, end) if cache_rows is not None else None
+        mask = attention_mask(positions, end)
         for layer in self.layers:
-            h = layer(h, start_pos, rotations, mask)
-        if last_only:
-            h = h[:, -1]
+            h = layer(h, rotations, mask, at)
+        if logits_at is not None:
+            h = h[torch.arange(h.shape[0], device=h.device), logits_at]
         return self.output(self.norm(h)).float()

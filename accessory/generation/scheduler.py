@@ -1,0 +1,176 @@
+"""The source rank's side of continuous batching: requests wait, join the batch when a row is free, are sampled
+step by step, and leave when they stop, run out of tokens, or are cancelled.
+
+Requests may arrive from other threads (`add`, `cancel`); `plan` runs on the thread that drives the engine.
+"""
+from __future__ import annotations
+
+import queue
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Collection, Optional, Sequence
+
+import torch
+
+from accessory.generation.engine import Plan
+from accessory.generation.sampling import SamplingParams, sample
+from accessory.generation.text import RowText
+
+FINISH_REASONS = ("stop", "length", "cancelled")
+
+
+def row_seeds(seed: int, n: int) -> list[int]:
+    """A seed per row from one call's seed: row i's draws do not depend on how many rows run beside it."""
+    return torch.randint(0, 2 ** 62, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@dataclass
+class Request:
+    """One sequence to complete. `tokens` must leave room for `params.max_gen_len` in the batch's columns."""
+    id: Any
+    tokens: list[int]
+    params: SamplingParams
+    seed: int
+    stop_strings: Sequence[str] = ()
+    # state, kept by the scheduler
+    text: Optional[RowText] = field(default=None, repr=False)
+    generator: Optional[torch.Generator] = field(default=None, repr=False)
+    seen: Optional[torch.Tensor] = field(default=None, repr=False)  # (vocab,) bool, for the repetition penalty
+    finish_reason: Optional[str] = None
+    shown: str = ""  # the text callers have been sent
+
+    @property
+    def generated(self) -> list[int]:
+        return self.text.ids if self.text is not None else []
+
+
+class Scheduler:
+    def __init__(self, tokenizer, stop_ids: Collection[int], rows: int, vocab_size: int, device: torch.device,
+                 idle_wait_s: float = 0.0):
+        """`rows`: how many requests decode together. `idle_wait_s`: with nothing to do and not closed, how long
+        `plan` waits for a request before returning an empty plan (a heartbeat for the other ranks)."""
+        self.tokenizer, self.rows, self.vocab_size, self.device = tokenizer, rows, vocab_size, device
+        self.stop_ids, self.idle_wait_s = set(stop_ids), idle_wait_s
+        self.inbox: queue.Queue = queue.Queue()  # ("add", request) or ("cancel", id), from any thread
+        self.waiting: deque[Request] = deque()
+        self.active: list[Request] = []  # in batch-row order
+        self.closed = False
+        self.error: Optional[BaseException] = None
+
+    # ---- from any thread ------------------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        self.inbox.put(("add", request))
+
+    def cancel(self, request_id) -> None:
+        self.inbox.put(("cancel", request_id))
+
+    def close(self) -> None:
+        """No more requests: `plan` says done once the ones already added have finished."""
+        self.inbox.put(("close", None))
+
+    # ---- the driving thread -----------------------------------------------------------------------------------------
+
+    def plan(self, logits: Optional[torch.Tensor]) -> Plan:
+        events: list[tuple[Any, dict]] = []
+        if logits is not None:
+            self._sample(logits, events)
+        self._read_inbox(events, wait=not self.active and not self.waiting and not self.closed)
+        survivors = [row for row, request in enumerate(self.active) if request.finish_reason is None]
+        keep = _fill_holes(survivors)
+        self.active = [self.active[row] for row in keep]
+        admitted = [self.waiting.popleft() for _ in range(min(self.rows - len(keep), len(self.waiting)))]
+        for request in admitted:
+            self._start(request)
+        self.active += admitted
+        done = self.closed and not self.active and not self.waiting
+        return Plan(keep, [r.generated[-1] for r in self.active[:len(keep)]], [r.tokens for r in admitted], events,
+                    done)
+
+    def _read_inbox(self, events: list, wait: bool) -> None:
+        deadline = time.monotonic() + (self.idle_wait_s if wait else 0.0)
+        while True:
+            try:
+                timeout = deadline - time.monotonic()
+                kind, value = self.inbox.get(timeout=timeout) if timeout > 0 else self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.waiting.append(value)
+            elif kind == "cancel":
+                self._cancel(value, events)
+            else:
+                self.closed = True
+            deadline = 0.0 if self.waiting else deadline  # once there is work, do not wait for more
+
+    def _cancel(self, request_id, events: list) -> None:
+        for request in self.active:
+            if request.id == request_id and request.finish_reason is None:
+                self._finish(request, "cancelled", events)
+        for request in [r for r in self.waiting if r.id == request_id]:
+            self.waiting.remove(request)
+            request.text = request.text or RowText(self.tokenizer, request.stop_strings)
+            self._finish(request, "cancelled", events)
+
+    def _start(self, request: Request) -> None:
+        request.text = RowText(self.tokenizer, request.stop_strings)
+        request.generator = torch.Generator(device=self.device).manual_seed(request.seed)
+        if request.params.repetition_penalty != 1.0:
+            request.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+            request.seen[torch.tensor(request.tokens, device=self.device)] = True
+
+    def _sample(self, logits: torch.Tensor, events: list) -> None:
+        chosen = self._choose(logits)
+        for request, token in zip(self.active, chosen):
+            if request.finish_reason is not None:
+                continue  # cancelled during the step
+            if token in self.stop_ids:
+                self._finish(request, "stop", events)
+                continue
+            request.text.push(token)
+            if request.seen is not None:
+                request.seen[token] = True
+            if request.text.stopped:
+                self._finish(request, "stop", events)
+            elif len(request.generated) >= request.params.max_gen_len:
+                self._finish(request, "length", events)
+            else:
+                self._emit(request, events)
+
+    def _choose(self, logits: torch.Tensor) -> list[int]:
+        """Each row's token: plain greedy rows in one argmax, the others with their own parameters and generator."""
+        chosen = logits.argmax(dim=-1).tolist()
+        for row, request in enumerate(self.active):
+            if not request.params.greedy or request.seen is not None:
+                seen = request.seen[None] if request.seen is not None else None
+                chosen[row] = int(sample(logits[row:row + 1], request.params, request.generator, seen))
+        return chosen
+
+    def _finish(self, request: Request, reason: str, events: list) -> None:
+        request.finish_reason = reason
+        request.text.finish()
+        self._emit(request, events)
+
+    @staticmethod
+    def _emit(request: Request, events: list) -> None:
+        """An event when the text callers may see grew, and always at the end: {"text": all so far, "delta": what
+        is new, "end_of_content", "finish_reason": None or one of FINISH_REASONS, "completion_tokens"}."""
+        ended = request.finish_reason is not None
+        text = request.text.text if ended else request.text.visible
+        if text == request.shown and not ended:
+            return
+        events.append((request.id, {"text": text, "delta": text[len(request.shown):], "end_of_content": ended,
+                                    "finish_reason": request.finish_reason,
+                                    "completion_tokens": len(request.generated)}))
+        request.shown = text
+
+
+def _fill_holes(survivors: list[int]) -> list[int]:
+    """New row order for the surviving rows: those already in the first len(survivors) rows stay put, and the
+    rest fill the holes, so only the rows that must move are copied."""
+    n = len(survivors)
+    staying = [row for row in survivors if row < n]
+    movers = iter(row for row in survivors if row >= n)
+    stays = set(staying)
+    return [row if row in stays else next(movers) for row in range(n)]

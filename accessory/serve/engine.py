@@ -1,0 +1,195 @@
+"""GenerationService: continuous batching for a model-parallel group that serves requests from other threads.
+
+Every rank constructs it and calls `run()` in its main thread. The source rank also takes requests from any
+thread (an HTTP server, a gradio UI): `submit` returns a `Handle` that yields the request's events as the batch
+produces them; requests that arrive while others decode join the running batch at the next step. While idle the
+source rank sends an empty plan every `heartbeat_s`, so the other ranks never time out in their collectives.
+`shutdown()` (or SIGTERM / SIGINT after `install_signal_handlers()`) stops taking requests, lets the accepted ones
+finish for up to `grace_s` seconds, cancels the rest, and ends `run()` on every rank.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import secrets
+import signal
+import threading
+from typing import Any, Callable, Optional, Sequence
+
+from accessory.generation.chat import render_chat
+from accessory.generation.engine import lockstep
+from accessory.generation.sampling import SamplingParams
+from accessory.generation.scheduler import Request, Scheduler, row_seeds
+
+log = logging.getLogger(__name__)
+SAMPLING_KEYS = ("max_gen_len", "temperature", "top_p", "top_k", "repetition_penalty")
+
+
+class QueueFull(Exception):
+    """Too many requests are waiting; try again later (HTTP 429)."""
+
+
+class ServiceClosed(Exception):
+    """The service is shutting down and takes no new requests (HTTP 503)."""
+
+
+class Handle:
+    """One submitted request's events, in order: {"text", "delta", "end_of_content", "finish_reason",
+    "completion_tokens"}; the last has end_of_content True. Iterate it from a thread, or `async for` it from the
+    event loop it was submitted with."""
+
+    def __init__(self, request_id: str, prompt_tokens: int, cancel: Callable[[str], None],
+                 loop: Optional[asyncio.AbstractEventLoop]):
+        self.id, self.prompt_tokens, self._cancel, self._loop = request_id, prompt_tokens, cancel, loop
+        self._events = asyncio.Queue() if loop is not None else queue.Queue()
+        self.finished = False
+
+    def deliver(self, event: dict) -> None:  # the engine's thread
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        else:
+            self._events.put(event)
+
+    def cancel(self) -> None:
+        """Stop generating: the row leaves the batch at the next step (a final "cancelled" event follows)."""
+        if not self.finished:
+            self._cancel(self.id)
+
+    def __iter__(self):
+        while not self.finished:
+            event = self._events.get()
+            self.finished = event["end_of_content"]
+            yield event
+
+    async def next_event(self) -> dict:
+        event = await self._events.get()
+        self.finished = event["end_of_content"]
+        return event
+
+    async def __aiter__(self):
+        while not self.finished:
+            yield await self.next_event()
+
+
+class GenerationService:
+    def __init__(self, model, max_queue: int = 64, heartbeat_s: float = 2.0, grace_s: float = 30.0):
+        self.model, self.ctx = model, model.ctx
+        self.max_queue, self.grace_s = max_queue, grace_s
+        self.rows, self.columns = model.max_batch_size, model.llma.args.max_seq_len
+        self.scheduler = None
+        if self.ctx.is_source:
+            self.scheduler = Scheduler(model.tokenizer, model.stop_ids, self.rows, model.llma.args.vocab_size,
+                                       model.llma.rotations.device, idle_wait_s=heartbeat_s)
+        self._handles: dict[str, Handle] = {}
+        self._lock = threading.RLock()  # a signal handler on the main thread may take it while it is held
+        self._ids = itertools.count()
+        self.accepting = True
+        self.shutdown_hooks: list[Callable[[], None]] = []  # called once when shutdown begins (stop listening)
+
+    # ---- the source rank, any thread ---------------------------------------------------------------------------
+
+    def submit(self, prompt: str, sampling: Optional[dict] = None, stop: Sequence[str] = (),
+               loop: Optional[asyncio.AbstractEventLoop] = None) -> Handle:
+        """Queue a completion of `prompt`. `sampling`: SAMPLING_KEYS and "seed" (None: random); max_gen_len
+        defaults to the rest of the window. Raises ValueError for bad parameters or a prompt that does not fit,
+        QueueFull, or ServiceClosed."""
+        tokens = self.model.tokenizer.encode(prompt, bos=True, eos=False)
+        return self.submit_tokens(tokens, sampling, stop, loop)
+
+    def submit_chat(self, messages: list[dict], sampling: Optional[dict] = None, template: Optional[str] = None,
+                    stop: Sequence[str] = (), loop: Optional[asyncio.AbstractEventLoop] = None) -> Handle:
+        """Queue the assistant's reply to OpenAI-style messages, in the model's chat template or a named
+        LLaMA2-Accessory conversation template (whose stop symbols are added to `stop`)."""
+        prompt, template_stops = render_chat(self.model.tokenizer, messages, template)
+        return self.submit(prompt, sampling, [*template_stops, *stop], loop)
+
+    def submit_tokens(self, tokens: list[int], sampling: Optional[dict] = None, stop: Sequence[str] = (),
+                      loop: Optional[asyncio.AbstractEventLoop] = None) -> Handle:
+        if not self.ctx.is_source:
+            raise RuntimeError("requests are submitted on the model-parallel source rank only")
+        sampling = dict(sampling or {})
+        seed = sampling.pop("seed", None)
+        unknown = set(sampling) - set(SAMPLING_KEYS)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {sorted(unknown)}; known: {SAMPLING_KEYS} and seed")
+        if seed is not None and not isinstance(seed, int):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        if not tokens:
+            raise ValueError("the prompt is empty")
+        if len(tokens) >= self.columns:
+            raise ValueError(f"the prompt has {len(tokens)} tokens; this model's max_seq_len is {self.columns}")
+        sampling.setdefault("max_gen_len", self.columns - len(tokens))  # the rest of the window
+        params = SamplingParams(**sampling)
+        if len(tokens) + params.max_gen_len > self.columns:
+            raise ValueError(f"the prompt has {len(tokens)} tokens and at most {params.max_gen_len} may be "
+                             f"generated: together more than this model's max_seq_len, {self.columns}")
+        with self._lock:
+            if not self.accepting:
+                raise ServiceClosed("the server is shutting down")
+            if self.waiting >= self.max_queue:
+                raise QueueFull(f"{self.max_queue} requests are already waiting; try again later")
+            handle = Handle(f"{next(self._ids)}-{secrets.token_hex(6)}", len(tokens), self.scheduler.cancel, loop)
+            self._handles[handle.id] = handle
+        row_seed = row_seeds(secrets.randbits(62) if seed is None else seed, 1)[0]
+        self.scheduler.add(Request(handle.id, tokens, params, row_seed, [s for s in stop if s]))
+        return handle
+
+    def shutdown(self) -> None:
+        """Take no new requests; finish the accepted ones (cancelled after grace_s); then `run()` returns."""
+        with self._lock:
+            if not self.accepting:
+                return
+            self.accepting = False
+        log.info("shutting down: finishing %d request(s), at most %.0f s", len(self._handles), self.grace_s)
+        for hook in self.shutdown_hooks:
+            hook()
+        self.scheduler.close()
+        timer = threading.Timer(self.grace_s, self._cancel_all)
+        timer.daemon = True
+        timer.start()
+
+    def _cancel_all(self) -> None:
+        with self._lock:
+            ids = list(self._handles)
+        for request_id in ids:
+            self.scheduler.cancel(request_id)
+
+    @property
+    def waiting(self) -> int:
+        """Requests not yet in the batch."""
+        return self.scheduler.inbox.qsize() + len(self.scheduler.waiting)
+
+    @property
+    def running(self) -> int:
+        """Requests accepted and not yet finished (waiting or in the batch)."""
+        return len(self._handles)
+
+    # ---- every rank, main thread ---------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Drive the batch until shutdown; on the source rank, deliver each step's events to their handles."""
+        for plan in lockstep(self.model.llma, self.ctx, self.scheduler, self.rows, self.columns,
+                             keep_cache_bytes=1 << 62):
+            for request_id, event in plan.events:
+                self._deliver(request_id, event)
+        log.info("generation service stopped")
+
+    def _deliver(self, request_id: str, event: dict) -> None:
+        with self._lock:
+            handle = self._handles.get(request_id)
+            if handle is not None and event["end_of_content"]:
+                del self._handles[request_id]
+        if handle is not None:
+            handle.deliver(event)
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT shut the service down from the source rank. The other ranks ignore them: torchrun
+        sends them to every rank, and they end when the source rank's last plan says so."""
+        def on_signal(signum, frame):
+            log.info("received %s", signal.Signals(signum).name)
+            self.shutdown()
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, on_signal if self.ctx.is_source else signal.SIG_IGN)

@@ -21,7 +21,7 @@ log = logging.getLogger("accessory.demos")
 MODEL_TEMPLATE = "(the model's own chat template)"  # the template dropdown's first choice: template=None
 # Replies streamed at once, one gradio worker thread each; the service batches them. More wait in gradio's queue.
 CONCURRENT_REPLIES = 32
-FINISHED = {"stop": "Done.", "length": "Done: cut at max_gen_len.", "cancelled": "Stopped."}
+FINISHED = {"stop": "Done", "length": "Cut at max_gen_len", "cancelled": "Stopped"}
 
 # An OpenAI-style message list: [{"role": "system" | "user" | "assistant", "content": str}, ...]
 Messages = list[dict]
@@ -68,18 +68,23 @@ def serve(title: str, context: Context, args: argparse.Namespace) -> None:
     model = cli._load_model(args)
     service = GenerationService(model)
     service.install_signal_handlers()
-    page, error = None, None
+    page = failure = None
     if model.ctx.is_source:
         try:
             page = launch(build_page(title, service, context, args, describe(model, args)), args)
-        except Exception as e:  # e.g. the port is taken: the other ranks must not wait for a page that never opens
-            error = e
-    model.ctx.raise_if_any_failed(error)
+        except Exception as e:  # e.g. the port is taken: the other ranks already wait in run(); end them cleanly
+            failure = e
+            service.shutdown()
     try:
         service.run()
     finally:
-        if page is not None:
+        if page is not None:  # after run(): open replies end first, then the page closes
             page.close()
+    if isinstance(failure, OSError):
+        raise AccessoryError(f"could not serve the page on {args.host}:{args.port} (is the port in use? pass "
+                             f"--port): {failure}") from failure
+    if failure is not None:
+        raise failure
 
 
 def describe(model, args: argparse.Namespace) -> str:
@@ -133,7 +138,7 @@ def build_page(title: str, service, context: Context, args: argparse.Namespace, 
                           [message, history, chatbot, status], concurrency_limit=CONCURRENT_REPLIES,
                           trigger_mode="once")
         # Cancelling the reply closes its generator, which cancels the request and frees its batch row.
-        stop.click(None, cancels=[answering])
+        stop.click(lambda: "Stopped.", None, status, cancels=[answering])
         undo.click(undo_last, history, [history, chatbot, status], cancels=[answering])
         # the chatbot's own trash icon clears only what it shows: clear the history with it
         gr.on([clear.click, chatbot.clear], lambda: ([], [], ""), None, [history, chatbot, status],
@@ -173,17 +178,36 @@ def stream_reply(service, context: Context, text: str, history: Messages, templa
     history = [*history, {"role": "user", "content": text}]
     messages = ([{"role": "system", "content": system}] if system.strip() else []) + context(history)
     # Submitted before the page changes: a refusal (a bad seed, a full queue) leaves the message in its box.
-    handle = service.submit_chat(messages, sampling, template=None if template == MODEL_TEMPLATE else template)
+    handle = submit(service, messages, sampling, None if template == MODEL_TEMPLATE else template)
     finish = None
     try:
         yield "", history, display(history), "Answering..."
         for event in handle:
             answered = [*history, {"role": "assistant", "content": event["text"]}]
             finish = event["finish_reason"]
-            yield "", answered, display(answered), FINISHED.get(finish, "Answering...")
+            yield "", answered, display(answered), status_line(event)
     finally:
         if finish is None:  # closed early (Stop, Undo, Clear, the browser left): free the row now
             handle.cancel()
+
+
+def submit(service, messages: Messages, sampling: dict, template):
+    """The service's handle for the request, or a gradio error (a message on the page) saying why it refused."""
+    import gradio as gr
+
+    from accessory.serve.engine import QueueFull, ServiceClosed
+
+    try:
+        return service.submit_chat(messages, sampling, template=template)
+    except (ValueError, QueueFull, ServiceClosed) as e:  # e.g. a prompt longer than max_seq_len
+        raise gr.Error(str(e)) from None
+
+
+def status_line(event: dict) -> str:
+    if event["finish_reason"] is None:
+        return "Answering..."
+    tokens = event["completion_tokens"]
+    return f"{FINISHED[event['finish_reason']]} ({tokens} token{'' if tokens == 1 else 's'})."
 
 
 def parse_seed(text: str):

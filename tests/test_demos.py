@@ -123,7 +123,7 @@ class ChatPage:
         self.driver.execute_script(RECORD_CHAT)
         self.driver.find_element(By.CSS_SELECTOR, "#message textarea").send_keys(question)
         self.click("submit")
-        self.wait_for(lambda: self.text("#status") in ("Done.", "Done: cut at max_gen_len."), "the answer to end")
+        self.wait_for(lambda: self.text("#status").startswith(("Done", "Cut")), "the answer to end")
         return self.driver.execute_script("return window.chatSeen")
 
     def answer(self) -> str:
@@ -233,7 +233,7 @@ class FakeHandle:
         for i, text in enumerate(texts):
             last = i == len(texts) - 1
             yield {"text": text, "delta": text[len(texts[i - 1]) if i else 0:], "end_of_content": last,
-                   "finish_reason": self.service.finish if last else None}
+                   "finish_reason": self.service.finish if last else None, "completion_tokens": i + 1}
 
     def cancel(self):
         self.service.cancelled += 1
@@ -266,10 +266,10 @@ def test_a_reply_streams_into_the_history_with_the_page_settings():
     assert sampling == dict(max_gen_len=48, temperature=0.5, top_p=0.95, top_k=40, repetition_penalty=1.0, seed=7)
     box, history, chatbot, status = steps[-1]
     assert box == "" and history[-1] == {"role": "assistant", "content": "Because."}
-    assert status == "Done: cut at max_gen_len." and len(steps) == 3  # the question, then each event
+    assert status == "Cut at max_gen_len (2 tokens)." and len(steps) == 3  # the question, then each event
     assert chatbot[-1]["content"] == [{"type": "text", "text": "Because."}]
     service.finish = "stop"
-    assert reply(service, multi_turn.whole_conversation)[-1][3] == "Done."
+    assert reply(service, multi_turn.whole_conversation)[-1][3] == "Done (2 tokens)."
     assert service.requests[-1][1]["seed"] is None and service.requests[-1][2] is None  # empty seed; model's own
 
 

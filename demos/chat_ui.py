@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 from accessory import cli
 from accessory.data.conversation import template_names
@@ -51,7 +51,7 @@ def main(title: str, context: Context, argv=None) -> None:
     init_distributed()
     cli._setup_logging()
     try:
-        serve(title, context, args)
+        failure = serve(title, context, args)
     except AccessoryError as e:  # a bad checkpoint or flag: say so, without a stack trace
         log.error("%s", e)
         cli._leave_without_barrier()
@@ -59,10 +59,17 @@ def main(title: str, context: Context, argv=None) -> None:
     except BaseException:
         cli._leave_without_barrier()
         raise
-    shutdown_distributed()
+    shutdown_distributed()  # every rank left the service's run() together, so its barrier is safe
+    if isinstance(failure, OSError):
+        log.error("could not serve the page on %s:%d (is the port in use? pass --port): %s", args.host, args.port,
+                  failure)
+        sys.exit(2)
+    if failure is not None:
+        raise failure
 
 
-def serve(title: str, context: Context, args: argparse.Namespace) -> None:
+def serve(title: str, context: Context, args: argparse.Namespace) -> Optional[Exception]:
+    """Serve until the service shuts down; returns why the source rank could not open the page, if it could not."""
     from accessory.serve.engine import GenerationService
 
     model = cli._load_model(args)
@@ -80,11 +87,7 @@ def serve(title: str, context: Context, args: argparse.Namespace) -> None:
     finally:
         if page is not None:  # after run(): open replies end first, then the page closes
             page.close()
-    if isinstance(failure, OSError):
-        raise AccessoryError(f"could not serve the page on {args.host}:{args.port} (is the port in use? pass "
-                             f"--port): {failure}") from failure
-    if failure is not None:
-        raise failure
+    return failure
 
 
 def describe(model, args: argparse.Namespace) -> str:

@@ -124,7 +124,8 @@ def build_page(title: str, service, context: Context, args: argparse.Namespace, 
                 chatbot = gr.Chatbot(elem_id="chatbot", label="conversation", height=420, feedback_options=None,
                                      buttons=["copy", "copy_all"])
                 status = gr.Markdown("", elem_id="status")
-                message = gr.Textbox(elem_id="message", label="message", lines=2, max_lines=10, autofocus=True,
+                # lines=1: gradio sends on Enter (Shift+Enter: a new line); with lines > 1 it is the other way round
+                message = gr.Textbox(elem_id="message", label="message", lines=1, max_lines=10, autofocus=True,
                                      placeholder="Type a message; Enter sends it, Shift+Enter starts a new line")
                 with gr.Row():
                     submit = gr.Button("Submit", variant="primary", elem_id="submit")

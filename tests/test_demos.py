@@ -48,6 +48,7 @@ def test_multi_turn_at_three_ranks_answers_in_the_browser_and_stops_on_sigterm(s
         assert "Paris" in page.answer(), page.answer()
         assert not [text for text in seen if "<|" in text or "im_end" in text], seen
         if os.environ.get("ACCESSORY_DEMO_SCREENSHOT"):
+            browser.execute_script("window.scrollTo(0, 0)")  # clicking Submit scrolled the page down
             browser.save_screenshot(os.environ["ACCESSORY_DEMO_SCREENSHOT"])
         workers = worker_pids(demo.pid)
         assert sorted(workers) == [0, 1, 2], f"torchrun's workers by rank: {workers}"
@@ -62,13 +63,14 @@ def test_multi_turn_at_three_ranks_answers_in_the_browser_and_stops_on_sigterm(s
 @needs_chromium
 def test_single_turn_alone_holds_back_the_template_separator_and_undoes(smollm2_checkpoint, browser, tmp_path):
     """One process, LLaMA2-Accessory's "default" template, whose turns end with "\\n###": no part of it is ever on
-    the page (as text, or as the empty markdown heading a lone "#" line renders to); Undo removes the exchange."""
+    the page (as text, or as the empty markdown heading a lone "#" line renders to); Enter sends; Undo removes the
+    exchange."""
     port, log = free_port(), tmp_path / "demo.log"
     demo = start([sys.executable, "demos/single_turn.py", "--port", str(port), "--template", "default",
                   "--max_gen_len", "48"], log)
     try:
         page = ChatPage(browser, port, demo, log)
-        seen = page.ask(QUESTION)
+        seen = page.ask(QUESTION, by_enter=True)
         assert "Paris" in page.answer(), page.answer()
         assert not [text for text in seen if "#" in text or HEADING in text], seen
         page.click("undo")
@@ -90,7 +92,7 @@ def browser(tmp_path):
     options = webdriver.ChromeOptions()
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--window-size=1280,800", f"--user-data-dir={tmp_path / 'chromium'}"):
+                 "--window-size=1280,960", f"--user-data-dir={tmp_path / 'chromium'}"):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     yield driver
@@ -116,13 +118,15 @@ class ChatPage:
         driver.get(url)
         self.wait_for(lambda: self.find("#message textarea"), "the message box")
 
-    def ask(self, question: str) -> list[str]:
-        """Type the question, send it, wait for the whole answer; returns every text the chat showed meanwhile."""
-        from selenium.webdriver.common.by import By
+    def ask(self, question: str, by_enter: bool = False) -> list[str]:
+        """Type the question, send it (Submit, or Enter), wait for the whole answer; returns every text the chat
+        showed meanwhile."""
+        from selenium.webdriver.common.keys import Keys
 
         self.driver.execute_script(RECORD_CHAT)
-        self.driver.find_element(By.CSS_SELECTOR, "#message textarea").send_keys(question)
-        self.click("submit")
+        self.find("#message textarea").send_keys(question + (Keys.ENTER if by_enter else ""))
+        if not by_enter:
+            self.click("submit")
         self.wait_for(lambda: self.text("#status").startswith(("Done", "Cut")), "the answer to end")
         return self.driver.execute_script("return window.chatSeen")
 

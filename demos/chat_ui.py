@@ -39,6 +39,11 @@ def parse_args(description: str, argv=None) -> argparse.Namespace:
     page.add_argument("--template", choices=template_names(),
                       help="LLaMA2-Accessory conversation template selected at start (default: the model's own)")
     page.add_argument("--system", default="", help="system message selected at start")
+    # As `accessory serve`: the service keeps a KV cache of max_batch_size x max_seq_len tokens for as long as it
+    # runs (at the model's own 32 x 4096, 7 GB for the built-in 135M model on one rank).
+    page.add_argument("--max_batch_size", type=cli._positive_int, default=16,
+                      help="answers decoded together; more wait for a free row")
+    parser.set_defaults(max_seq_len=2048)
     return parser.parse_args(argv)
 
 
@@ -73,6 +78,7 @@ def serve(title: str, context: Context, args: argparse.Namespace) -> Optional[Ex
     from accessory.serve.engine import GenerationService
 
     model = cli._load_model(args)
+    model.max_batch_size = args.max_batch_size
     service = GenerationService(model)
     service.install_signal_handlers()
     page = failure = None

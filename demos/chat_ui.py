@@ -48,8 +48,8 @@ def parse_args(description: str, argv=None) -> argparse.Namespace:
 
 
 def main(title: str, context: Context, argv=None) -> None:
-    """Load the model on every rank, serve the page from the source rank, and return when the service is shut
-    down (SIGTERM or Ctrl-C to the source rank, or to torchrun)."""
+    """Load the model on every rank, serve the page from the source rank, and return on every rank once the
+    service is shut down (SIGTERM or SIGINT to the source rank; Ctrl-C in torchrun's terminal reaches it too)."""
     args = parse_args(title, argv)
     from accessory.parallel import init_distributed, shutdown_distributed
 

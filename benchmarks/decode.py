@@ -5,10 +5,9 @@ from the very GGUF file that transformers loads), on the same prompt token ids, 
 are forced to generate exactly N new tokens per row:
 
 - ours: `MetaModel.generate(prompts, max_gen_len=N, temperature=0)`, timed end to end (tokenization, the decode
-  loop and incremental detokenization included). Stop tokens are switched off (`stop_ids` emptied, and `stop_ids=()`
-  passed to the decode loop), so EOS cannot end a row early; `decode_steps` (the engine's generator that
-  `generate` drives) is wrapped to count the tokens it actually yields and the forward steps it takes, and the run
-  fails if any row got other than N tokens.
+  loop and incremental detokenization included). Stop tokens are switched off (`stop_ids` emptied), so EOS cannot
+  end a row early; `lockstep` (the engine loop that `generate` drives) is wrapped to count the tokens each request
+  actually got and the forward steps it took, and the run fails if any row got other than N tokens.
 - HF: `model.generate(input_ids, attention_mask, do_sample=False, max_new_tokens=N, min_new_tokens=N)` on the same
   prompt ids, left-padded, plus one decode of the output ids to text, so both go from prompts to text. The count is
   read from the output shape.
@@ -29,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import json
 import os
 import resource
@@ -192,47 +190,31 @@ def ours_runner(folder: Path, prompts: list[str], n: int):
         model.stop_ids = set()  # EOS must not end a row early
     ctx = model.ctx
     record: dict = {}  # reset by every run()
-    engine = importlib.import_module("accessory.generation.engine")
-    original = engine.decode_steps
-    names = list(inspect.signature(original).parameters)
+    runner = importlib.import_module("accessory.generation.runner")
+    original = runner.lockstep
 
-    def counting_decode_steps(*a, **kw):
-        a = list(a)
-        if "stop_ids" in kw:  # EOS cannot end a row: every row makes exactly n tokens
-            kw["stop_ids"] = ()
-        elif "stop_ids" in names and names.index("stop_ids") < len(a):
-            a[names.index("stop_ids")] = ()
-        elif "stop_ids" in names:
-            kw["stop_ids"] = ()
-        rows = record["tokens"]
-        first = len(rows)  # generate may run its rows in several waves, one decode_steps call each
-        for step in original(*a, **kw):
-            record["steps"] += 1
-            rows += [[] for _ in range(first + len(step) - len(rows))]
-            for row, token in zip(rows[first:], step):
-                if token is not None:
-                    row.append(token)
-            if record["prefill"] is None and all(rows):
+    def counting_lockstep(llma, ctx, scheduler, *args, **kwargs):
+        # The source rank's requests are queued in the scheduler before the loop starts: read them there, so the
+        # tokens each one actually got can be counted afterwards.
+        requests = [item for kind, item in list(scheduler.inbox.queue) if kind == "add"] if scheduler else []
+        record["requests"] = requests
+        for plan in original(llma, ctx, scheduler, *args, **kwargs):
+            record["steps"] += plan.runs
+            if record["prefill"] is None and requests and all(r.generated for r in requests):
                 record["prefill"] = time.perf_counter()
-            yield step
+            yield plan
 
-    # generate() reaches decode_steps through whichever of our modules imported it by name (meta, runner, ...)
-    patched = [m for name, m in list(sys.modules.items())
-               if name.startswith("accessory.") and getattr(m, "decode_steps", None) is original]
-    for module in patched:
-        module.decode_steps = counting_decode_steps
-    if not patched:
-        raise SystemExit("no accessory module calls accessory.generation.engine.decode_steps; update the benchmark")
+    runner.lockstep = counting_lockstep  # generate() reaches the engine through the runner
 
     def run() -> dict:
-        record.update(tokens=[], steps=0, prefill=None)
+        record.update(requests=[], steps=0, prefill=None)
         if ctx.world_size > 1:
             torch.distributed.barrier(group=ctx.group)
         start = time.perf_counter()
         model.generate(prompts, max_gen_len=n, temperature=0)
         end = time.perf_counter()
-        return {"seconds": end - start, "prefill": (record["prefill"] or end) - start, "tokens": record["tokens"],
-                "steps": record["steps"]}
+        return {"seconds": end - start, "prefill": (record["prefill"] or end) - start,
+                "tokens": [r.generated for r in record["requests"]], "steps": record["steps"]}
 
     name = "accessory" + (f" ({ctx.world_size} ranks)" if ctx.world_size > 1 else "")
     return run, {"name": name, "ranks": ctx.world_size}

@@ -202,10 +202,10 @@ def wait(proc: subprocess.Popen, timeout: float = 60) -> int:
 
 def alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
         return False
-    return not Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has ended
+    return state != "Z"  # a zombie has ended; only its exit status waits to be collected
 
 
 def kill(proc: subprocess.Popen) -> None:

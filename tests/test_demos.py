@@ -209,9 +209,16 @@ def alive(pid: int) -> bool:
 
 
 def kill(proc: subprocess.Popen) -> None:
-    """After a failure: end the launch and everything it started (its own session)."""
+    """After a failure: end the launch and every rank it started. torchrun starts each worker in a session of its
+    own, so killing torchrun's session alone would leave the ranks running."""
     if proc.poll() is None:
+        workers = worker_pids(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
+        for pid in workers.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         proc.wait()
 
 

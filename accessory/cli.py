@@ -2,6 +2,7 @@
 
     accessory generate [--pretrained_path DIR ...] --prompt TEXT [--chat] ...   (alone or under torchrun)
     accessory chat [--pretrained_path DIR ...] [--template NAME] [--system TEXT] ...
+    accessory batch --input IN.jsonl --output OUT.jsonl [--mp N] [--batch_size N] ...   (dp x mp under torchrun)
     accessory convert {gguf,hf} SRC DST --shards N
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "model's own chat template)")
     sampling.add_argument("--system", help="system message for every conversation")
     chat.set_defaults(handler=run_chat)
+    _add_batch_verb(verbs)
 
     conv = verbs.add_parser("convert", help="import a GGUF file or a Hugging Face folder as sharded checkpoint")
     conv.add_argument("source", choices=["gguf", "hf"])
@@ -73,8 +75,9 @@ def _sampling_kwargs(args) -> dict:
                 repetition_penalty=args.repetition_penalty, seed=args.seed)
 
 
-def _load_model(args):
-    """Every rank loads the model; with no --pretrained_path, the built-in one (imported once per node)."""
+def _load_model(args, mp_group=None):
+    """Every rank loads the model (onto `mp_group`, default the world); with no --pretrained_path, the built-in one
+    (imported once per node)."""
     import torch.distributed as dist
 
     from accessory.checkpoint.default_model import ensure_default_model
@@ -89,7 +92,7 @@ def _load_model(args):
         paths = [ensure_default_model()]
     return MetaModel.from_pretrained(paths, llama_type=args.llama_type, llama_config=args.llama_config,
                                      tokenizer_path=args.tokenizer_path, max_seq_len=args.max_seq_len,
-                                     dtype=args.dtype, device=args.device)
+                                     dtype=args.dtype, device=args.device, mp_group=mp_group)
 
 
 def run_generate(args) -> None:
@@ -149,6 +152,33 @@ def _read_line(prompt: str):
         print(flush=True)
         return None
     return line.rstrip("\n")
+
+
+def _add_batch_verb(verbs) -> None:
+    batch = verbs.add_parser("batch", help="generate for every record of a JSONL file, resumably, on a torchrun "
+                             "world split as data-parallel x model-parallel")
+    _add_model_args(batch)
+    sampling = _add_sampling_args(batch)
+    sampling.add_argument("--template", help="conversation template for \"messages\" records (default: the "
+                          "model's own chat template)")
+    job = batch.add_argument_group("batch")
+    job.add_argument("--input", required=True, help="JSONL: {\"id\", \"prompt\"} or {\"id\", \"messages\"} per line")
+    job.add_argument("--output", required=True, help="JSONL of {\"id\", \"output\", ...}; a rerun skips ids already "
+                     "in it or in its OUTPUT.part-* files")
+    job.add_argument("--mp", type=_positive_int, default=1, help="model-parallel ranks per group; the world size "
+                     "must be a multiple (data-parallel groups = world / mp)")
+    job.add_argument("--batch_size", type=_positive_int, default=8, help="rows in flight per group")
+    batch.set_defaults(handler=run_batch)
+
+
+def run_batch(args) -> None:
+    from pathlib import Path
+
+    from accessory.batch import BatchOptions, run_batch as run
+
+    options = BatchOptions(Path(args.input), Path(args.output), args.mp, args.batch_size, args.template,
+                           args.max_seq_len)
+    run(options, _sampling_kwargs(args), lambda group: _load_model(args, group))
 
 
 def run_convert(args) -> None:

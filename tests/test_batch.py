@@ -164,9 +164,10 @@ def test_killed_midway_then_rerun_gives_every_record_once_equal_to_one_process(t
     assert all(row["prompt_tokens"] > 0 and not row["prompt_truncated"] for row in rows)
 
 
-def test_default_model_answers_messages_at_one_by_three(tmp_path):
-    """The built-in SmolLM2 (imported on first use), one model-parallel group of 3 ranks, chat records rendered with
-    its own template and stopped at its end-of-turn token."""
+def test_default_model_answers_messages_at_one_by_three(smollm2_checkpoint, tmp_path):
+    """The built-in SmolLM2 (no --pretrained_path; the fixture imports it first, as the CLI would), one
+    model-parallel group of 3 ranks, chat records rendered with its own template and stopped at its end-of-turn
+    token."""
     records = [{"id": "france", "messages": [{"role": "user", "content": "What is the capital of France?"}]},
                {"id": "italy", "messages": [{"role": "system", "content": "Answer in one short sentence."},
                                             {"role": "user", "content": "What is the capital of Italy?"}]},

@@ -8,6 +8,8 @@ Files, for `--output OUT`:
     OUT          the final output, written by global rank 0 when every record is done: one line per input record,
                  in input order, through OUT.merging and a rename (readers never see half of it); the parts are
                  removed after the rename.
+    OUT.shared-check   written by global rank 0 and read by each group's source before any model loads, so that
+                 an OUT on a disk some machine cannot see is refused at once; removed right after.
 
 A rerun reads OUT and every OUT.part-* to learn which ids are done and generates only the others. A last line
 without its newline (a process killed mid-write) is dropped and regenerated; any other line that is not a record
@@ -71,7 +73,7 @@ class Job:
     line: int  # the record's input line: groups work in input order
     id: RecordId
     prompt: str
-    stops: tuple[str, ...]  # stop strings of its conversation template ("" for a plain prompt)
+    stops: tuple[str, ...]  # stop strings of its conversation template; () for a plain prompt
     prompt_tokens: int
 
 

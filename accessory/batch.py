@@ -176,7 +176,7 @@ class OutputFiles:
 
     def parts(self) -> list[Path]:
         prefix = f"{self.output.name}.part-"
-        return sorted(p for p in self.output.parent.glob(f"*.part-*")  # any group count: a rerun may change dp
+        return sorted(p for p in self.output.parent.glob("*.part-*")  # any group count: a rerun may change dp
                       if p.name.startswith(prefix) and p.name[len(prefix):].isdigit())
 
     @property

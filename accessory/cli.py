@@ -3,6 +3,7 @@
     accessory generate [--pretrained_path DIR ...] --prompt TEXT [--chat] ...   (alone or under torchrun)
     accessory chat [--pretrained_path DIR ...] [--template NAME] [--system TEXT] ...
     accessory serve [--pretrained_path DIR ...] [--host H] [--port P] [--api-key KEY] ...   (OpenAI-compatible)
+    accessory batch --input IN.jsonl --output OUT.jsonl [--mp N] [--batch_size N] ...   (dp x mp under torchrun)
     accessory convert {gguf,hf} SRC DST --shards N
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import signal
 import sys
 
-from accessory.errors import AccessoryError
+from accessory.errors import AccessoryError, FailedInStep
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,35 +22,36 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True)
 
     gen = verbs.add_parser("generate", help="complete a prompt (run under torchrun for tensor parallelism)")
-    _add_model_args(gen)
-    sampling = _add_sampling_args(gen)
+    add_model_args(gen)
+    sampling = add_sampling_args(gen)
     sampling.add_argument("--prompt", required=True)
     sampling.add_argument("--chat", action="store_true",
                           help="wrap the prompt in the model's chat template; stop at its end-of-turn token")
     gen.set_defaults(handler=run_generate)
 
     chat = verbs.add_parser("chat", help="multi-turn chat in the terminal (rank 0 reads it under torchrun)")
-    _add_model_args(chat)
-    sampling = _add_sampling_args(chat)
+    add_model_args(chat)
+    sampling = add_sampling_args(chat)
     sampling.add_argument("--template", help="a LLaMA2-Accessory conversation template name (default: the "
                           "model's own chat template)")
     sampling.add_argument("--system", help="system message for every conversation")
     chat.set_defaults(handler=run_chat)
+    _add_batch_verb(verbs)
 
     serve = verbs.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching (run under "
                              "torchrun for tensor parallelism; rank 0 listens)")
-    _add_model_args(serve)
+    add_model_args(serve)
     http = serve.add_argument_group("server")
     http.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
-    http.add_argument("--port", type=_positive_int, default=8000)
+    http.add_argument("--port", type=positive_int, default=8000)
     http.add_argument("--api-key", default=os.environ.get("ACCESSORY_API_KEY"),
                       help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                       "(default: $ACCESSORY_API_KEY; none: no key needed)")
     http.add_argument("--model-name", help="the model id clients name (default: the checkpoint folder's name)")
     http.add_argument("--template", help="a LLaMA2-Accessory conversation template for chat (default: the "
                       "model's own chat template)")
-    http.add_argument("--max_batch_size", type=_positive_int, default=16, help="requests decoded together")
-    http.add_argument("--max-queue", type=_positive_int, default=64,
+    http.add_argument("--max_batch_size", type=positive_int, default=16, help="requests decoded together")
+    http.add_argument("--max-queue", type=positive_int, default=64,
                       help="requests that may wait for a free row; past it, 429")
     http.add_argument("--shutdown-grace", type=_non_negative_float, default=30.0,
                       help="on SIGTERM, seconds to let running requests finish before cancelling them")
@@ -59,27 +61,27 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("source", choices=["gguf", "hf"])
     conv.add_argument("src", help="the .gguf file, or the HF LlamaForCausalLM folder")
     conv.add_argument("dst", help="new checkpoint folder (must not exist)")
-    conv.add_argument("--shards", type=_positive_int, default=1, help="tensor-parallel shard count to save")
+    conv.add_argument("--shards", type=positive_int, default=1, help="tensor-parallel shard count to save")
     conv.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: keep the source's")
     conv.set_defaults(handler=run_convert)
     return parser
 
 
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
+def add_model_args(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument("--pretrained_path", nargs="+", help="checkpoint folder(s), later ones overriding earlier "
                        "ones (default: the built-in SmolLM2-135M-Instruct, imported on first use)")
     model.add_argument("--llama_type", help="model type (default: meta.json's, else llama)")
     model.add_argument("--llama_config", nargs="+", default=[], help="config files overriding the folder's")
     model.add_argument("--tokenizer_path", help="tokenizer.model / tokenizer.json (default: found beside weights)")
-    model.add_argument("--max_seq_len", type=_positive_int, default=4096)
+    model.add_argument("--max_seq_len", type=positive_int, default=4096)
     model.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: bf16 on CUDA, fp32 on CPU")
     model.add_argument("--device", help="default: cuda if available, else cpu")
 
 
-def _add_sampling_args(parser: argparse.ArgumentParser):
+def add_sampling_args(parser: argparse.ArgumentParser):
     sampling = parser.add_argument_group("generation")
-    sampling.add_argument("--max_gen_len", type=_positive_int, default=512)
+    sampling.add_argument("--max_gen_len", type=positive_int, default=512)
     sampling.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
     sampling.add_argument("--top_p", type=_probability, default=0.95)
     sampling.add_argument("--top_k", type=_non_negative_int, default=0, help="0 = no top-k cut")
@@ -93,8 +95,9 @@ def _sampling_kwargs(args) -> dict:
                 repetition_penalty=args.repetition_penalty, seed=args.seed)
 
 
-def _load_model(args):
-    """Every rank loads the model; with no --pretrained_path, the built-in one (imported once per node)."""
+def load_model(args, mp_group=None):
+    """Every rank loads the model (onto `mp_group`, default the world); with no --pretrained_path, the built-in one
+    (imported once per node)."""
     import torch.distributed as dist
 
     from accessory.checkpoint.default_model import ensure_default_model
@@ -109,11 +112,11 @@ def _load_model(args):
         paths = [ensure_default_model()]
     return MetaModel.from_pretrained(paths, llama_type=args.llama_type, llama_config=args.llama_config,
                                      tokenizer_path=args.tokenizer_path, max_seq_len=args.max_seq_len,
-                                     dtype=args.dtype, device=args.device)
+                                     dtype=args.dtype, device=args.device, mp_group=mp_group)
 
 
 def run_generate(args) -> None:
-    model = _load_model(args)
+    model = load_model(args)
     if args.chat:
         text = model.chat([{"role": "user", "content": args.prompt}], **_sampling_kwargs(args))
     else:
@@ -127,7 +130,7 @@ CHAT_HELP = "Type a message and press Enter. /reset starts a new conversation, /
 
 def run_chat(args) -> None:
     """Rank 0 reads the terminal and broadcasts each line; every rank generates; rank 0 streams the reply."""
-    model = _load_model(args)
+    model = load_model(args)
     source = model.ctx.is_source
     if not source:  # the terminal's Ctrl-C reaches every rank; the source turns it into a clean end for all
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -160,7 +163,7 @@ def run_chat(args) -> None:
 def run_serve(args) -> None:
     from accessory.serve.server import serve
 
-    model = _load_model(args)
+    model = load_model(args)
     model.max_batch_size = args.max_batch_size
     name = args.model_name or (os.path.basename(os.path.normpath(args.pretrained_path[-1])) if args.pretrained_path
                                else DEFAULT_MODEL_NAME)
@@ -184,6 +187,33 @@ def _read_line(prompt: str):
     return line.rstrip("\n")
 
 
+def _add_batch_verb(verbs) -> None:
+    batch = verbs.add_parser("batch", help="generate for every record of a JSONL file, resumably, on a torchrun "
+                             "world split as data-parallel x model-parallel")
+    add_model_args(batch)
+    sampling = add_sampling_args(batch)
+    sampling.add_argument("--template", help="conversation template for \"messages\" records (default: the "
+                          "model's own chat template)")
+    job = batch.add_argument_group("batch")
+    job.add_argument("--input", required=True, help="JSONL: {\"id\", \"prompt\"} or {\"id\", \"messages\"} per line")
+    job.add_argument("--output", required=True, help="JSONL of {\"id\", \"output\", ...}; a rerun skips ids already "
+                     "in it or in its OUTPUT.part-* files")
+    job.add_argument("--mp", type=positive_int, default=1, help="model-parallel ranks per group; the world size "
+                     "must be a multiple (data-parallel groups = world / mp)")
+    job.add_argument("--batch_size", type=positive_int, default=8, help="rows in flight per group")
+    batch.set_defaults(handler=run_batch)
+
+
+def run_batch(args) -> None:
+    from pathlib import Path
+
+    from accessory.batch import BatchOptions, run_batch as run
+
+    options = BatchOptions(Path(args.input), Path(args.output), args.mp, args.batch_size, args.template,
+                           args.max_seq_len)
+    run(options, _sampling_kwargs(args), lambda group: load_model(args, group))
+
+
 def run_convert(args) -> None:
     from pathlib import Path
 
@@ -196,12 +226,22 @@ def run_convert(args) -> None:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
+    run(args.handler, args)
+
+
+def run(handler, args) -> None:
+    """Run `handler(args)` on this rank as every entry point does (the verbs, the demos): join torchrun's group, log
+    to stderr, and leave the group cleanly; bad input exits 2 with its message, Ctrl-C 130."""
     from accessory.parallel import init_distributed, shutdown_distributed
 
     init_distributed()
     _setup_logging()
     try:
-        args.handler(args)
+        handler(args)
+    except FailedInStep as e:  # the other ranks ended normally: the closing barrier is safe
+        logging.getLogger("accessory").error("%s", e)
+        shutdown_distributed()
+        sys.exit(2)
     except AccessoryError as e:
         logging.getLogger("accessory").error("%s", e)
         _leave_without_barrier()
@@ -241,7 +281,7 @@ def _checked(convert, ok, expected: str):
     return parse
 
 
-_positive_int = _checked(int, lambda n: n > 0, "a positive integer")
+positive_int = _checked(int, lambda n: n > 0, "a positive integer")
 _non_negative_int = _checked(int, lambda n: n >= 0, ">= 0")
 _positive_float = _checked(float, lambda x: x > 0, "> 0")
 _non_negative_float = _checked(float, lambda x: x >= 0, ">= 0")

@@ -15,3 +15,8 @@ class CheckpointError(AccessoryError, ValueError):
 
 class TokenizerError(AccessoryError, ValueError):
     """A tokenizer that is missing, unreadable, or lacks what was asked of it (a chat template, say)."""
+
+
+class FailedInStep(AccessoryError):
+    """A failure on one rank that the others have already been told of: every rank still ends in step, so the
+    process group can be left normally (a port that was taken, say)."""

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator
 
 from accessory import cli
 from accessory.data.conversation import template_names
-from accessory.errors import AccessoryError
+from accessory.errors import FailedInStep
 
 log = logging.getLogger("accessory.demos")
 
@@ -31,17 +30,17 @@ Context = Callable[[Messages], Messages]
 
 def parse_args(description: str, argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
-    cli._add_model_args(parser)
-    cli._add_sampling_args(parser)  # their values are the settings panel's initial values
+    cli.add_model_args(parser)
+    cli.add_sampling_args(parser)  # their values are the settings panel's initial values
     page = parser.add_argument_group("page")
     page.add_argument("--host", default="127.0.0.1", help="address to serve the page on (0.0.0.0: every interface)")
-    page.add_argument("--port", type=cli._positive_int, default=7860)
+    page.add_argument("--port", type=cli.positive_int, default=7860)
     page.add_argument("--template", choices=template_names(),
                       help="LLaMA2-Accessory conversation template selected at start (default: the model's own)")
     page.add_argument("--system", default="", help="system message selected at start")
     # As `accessory serve`: the service keeps a KV cache of max_batch_size x max_seq_len tokens for as long as it
     # runs (at the model's own 32 x 4096: 5.6 GiB for the built-in 135M model in float32 on one rank).
-    page.add_argument("--max_batch_size", type=cli._positive_int, default=16,
+    page.add_argument("--max_batch_size", type=cli.positive_int, default=16,
                       help="answers decoded together; more wait for a free row")
     parser.set_defaults(max_seq_len=2048)
     return parser.parse_args(argv)
@@ -51,33 +50,15 @@ def main(title: str, context: Context, argv=None) -> None:
     """Load the model on every rank, serve the page from the source rank, and return on every rank once the
     service is shut down (SIGTERM or SIGINT to the source rank; Ctrl-C in torchrun's terminal reaches it too)."""
     args = parse_args(title, argv)
-    from accessory.parallel import init_distributed, shutdown_distributed
-
-    init_distributed()
-    cli._setup_logging()
-    try:
-        failure = serve(title, context, args)
-    except AccessoryError as e:  # a bad checkpoint or flag: say so, without a stack trace
-        log.error("%s", e)
-        cli._leave_without_barrier()
-        sys.exit(2)
-    except BaseException:
-        cli._leave_without_barrier()
-        raise
-    shutdown_distributed()  # every rank left the service's run() together, so its barrier is safe
-    if isinstance(failure, OSError):
-        log.error("could not serve the page on %s:%d (is the port in use? pass --port): %s", args.host, args.port,
-                  failure)
-        sys.exit(2)
-    if failure is not None:
-        raise failure
+    cli.run(lambda parsed: serve(title, context, parsed), args)
 
 
-def serve(title: str, context: Context, args: argparse.Namespace) -> Optional[Exception]:
-    """Serve until the service shuts down; returns why the source rank could not open the page, if it could not."""
+def serve(title: str, context: Context, args: argparse.Namespace) -> None:
+    """Serve until the service shuts down. If the source rank cannot open the page, every rank still leaves the
+    service together, and then the source rank reports it."""
     from accessory.serve.engine import GenerationService
 
-    model = cli._load_model(args)
+    model = cli.load_model(args)
     model.max_batch_size = args.max_batch_size
     service = GenerationService(model)
     service.install_signal_handlers()
@@ -93,7 +74,9 @@ def serve(title: str, context: Context, args: argparse.Namespace) -> Optional[Ex
     finally:
         if page is not None:  # after run(): open replies end first, then the page closes
             page.close()
-    return failure
+    if failure is not None:
+        raise FailedInStep(f"could not serve the page on {args.host}:{args.port} (is the port in use? pass "
+                           f"--port): {failure}")
 
 
 def describe(model, args: argparse.Namespace) -> str:

@@ -38,7 +38,8 @@ def stream_rows(model, tokenizer, prompts: list[list[int]], params: SamplingPara
                 stop_ids: Collection[int], stop_strings: Sequence[str], max_batch_size: int,
                 keep_cache_bytes: int = 0) -> Iterator[list[dict]]:
     """Yield, whenever a row's text changes, one dict per prompt: {"text", "delta", "end_of_content",
-    "finish_reason"} (on every rank: the source rank's events are broadcast with each step's plan).
+    "finish_reason", "completion_tokens"} (on every rank: the source rank's events are broadcast with each step's
+    plan). finish_reason is None until the row ends, then "stop" or "length".
 
     At most `max_batch_size` rows decode together; when one finishes, the next prompt takes its place at once.
     `text` is the row's text so far, `delta` what this step added; text that could still become a stop string, or
@@ -55,15 +56,13 @@ def stream_rows(model, tokenizer, prompts: list[list[int]], params: SamplingPara
         for row, (tokens, row_seed) in enumerate(zip(prompts, row_seeds(seed, len(prompts)))):
             scheduler.add(Request(row, tokens, params, row_seed, stop_strings))
         scheduler.close()
-    events = [{"text": "", "delta": "", "end_of_content": False, "finish_reason": None} for _ in prompts]
+    events = [{"text": "", "delta": "", "end_of_content": False, "finish_reason": None, "completion_tokens": 0}
+              for _ in prompts]
     columns = max(map(len, prompts)) + params.max_gen_len
     for plan in lockstep(model, ctx, scheduler, min(len(prompts), max_batch_size), columns, keep_cache_bytes):
         if plan.events:
             changed = dict(plan.events)
-            events = [_public(changed[row]) if row in changed else {**event, "delta": ""}
+            events = [changed[row] if row in changed else {**event, "delta": ""}
                       for row, event in enumerate(events)]
             yield events
 
-
-def _public(event: dict) -> dict:
-    return {key: event[key] for key in ("text", "delta", "end_of_content", "finish_reason")}

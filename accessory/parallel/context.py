@@ -14,6 +14,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from accessory.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 
@@ -37,6 +39,48 @@ def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """This rank's place in a world split as data-parallel x model-parallel: `dp_size` groups of `mp_size`
+    consecutive global ranks, each group running its own copy of the model."""
+    mp_group: Optional[dist.ProcessGroup]  # this rank's model-parallel group (None: a single process)
+    dp_rank: int  # which model-parallel group this rank belongs to
+    dp_size: int
+    mp_size: int
+
+    @property
+    def mp_rank(self) -> int:
+        return dist.get_rank(self.mp_group) if self.mp_group is not None else 0
+
+
+def data_parallel_layout(mp_size: int) -> GroupLayout:
+    """Split the world into groups of `mp_size` consecutive ranks: group g is global ranks [g*mp, (g+1)*mp).
+
+    Collective: every rank must call it, in the same order relative to other group creation, because
+    `dist.new_group` is collective over the whole world even for ranks outside the new group. Consecutive ranks,
+    because torchrun numbers a node's processes consecutively: when `mp_size` divides the processes per node, the
+    tensor-parallel all-reduces of each group stay inside one node and only the data-parallel split crosses nodes.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if mp_size < 1 or world % mp_size:
+        raise ConfigError(f"model-parallel size {mp_size} must divide the world size {world} (world = data-parallel x "
+                         f"model-parallel); launch a multiple of {mp_size} processes")
+    if not dist.is_initialized():
+        return GroupLayout(None, 0, 1, 1)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if local % mp_size and mp_size % local:  # a group of whole nodes (mp a multiple of local) is a deliberate choice
+        log.warning("model-parallel size %d and %d processes per node do not nest: some model-parallel groups "
+                    "straddle two nodes, and every layer's all-reduce crosses the network", mp_size, local)
+    rank = dist.get_rank()
+    mine = None
+    for start in range(0, world, mp_size):
+        ranks = list(range(start, start + mp_size))
+        group = dist.group.WORLD if mp_size == world else dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return GroupLayout(mine, rank // mp_size, world // mp_size, mp_size)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import queue
 import secrets
 import signal
 import threading
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from accessory.generation.chat import render_chat
 from accessory.generation.engine import lockstep

@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Optional
 
-from accessory.errors import AccessoryError
+from accessory.errors import FailedInStep
 from accessory.serve.engine import GenerationService
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,8 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, model_name: str = "d
             server.should_exit = True
             thread.join(timeout=10)
     if server is not None and not server.started:
-        raise AccessoryError(f"could not listen on {host}:{port} (is the port in use?); see the log above")
+        raise FailedInStep(f"could not listen on {host}:{port} (is the port in use? pass --port); see the log "
+                           f"above")
 
 
 def _start_http(service: GenerationService, host: str, port: int, model_name: str, api_key: Optional[str],

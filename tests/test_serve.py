@@ -62,6 +62,8 @@ class Server:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
+            for pid in self.workers():  # torchrun starts each worker in a session of its own
+                os.kill(pid, signal.SIGKILL)
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self.log.close()

@@ -47,10 +47,13 @@ class Handle:
         self.finished = False
 
     def deliver(self, event: dict) -> None:  # the engine's thread
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
-        else:
+        if self._loop is None:
             self._events.put(event)
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:  # the submitter's event loop is closed: nobody is left to read this
+            pass
 
     def cancel(self) -> None:
         """Stop generating: the row leaves the batch at the next step (a final "cancelled" event follows)."""

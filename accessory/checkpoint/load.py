@@ -10,21 +10,29 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from accessory.checkpoint.formats import IGNORED_KEYS, Piece, find_shards, read_shard
+from accessory.checkpoint.formats import ADDITIVE, IGNORED_KEYS, Piece, find_shards, read_shard
 from accessory.errors import CheckpointError
 from accessory.parallel import Shard, global_shape, shard_of
 
 log = logging.getLogger(__name__)
 
 
-def open_checkpoint(folders: Sequence[Path]) -> dict[str, tuple[list[Piece], Path]]:
-    """Tensor name -> (its piece in every shard, the folder it comes from); later folders override earlier ones."""
+class Term(NamedTuple):
+    """One folder's copy of a tensor (its piece in every shard), added to the others with `sign`."""
+    pieces: list[Piece]
+    folder: Path
+    sign: int = 1
+
+
+def open_checkpoint(folders: Sequence[Path]) -> dict[str, list[Term]]:
+    """Tensor name -> the terms whose sum it is: a later folder replaces the earlier ones' value, except a delta
+    folder (formats.ADDITIVE), whose tensors add to it."""
     sources = {}
     for folder in folders:
         shards = find_shards(folder)
@@ -35,7 +43,8 @@ def open_checkpoint(folders: Sequence[Path]) -> dict[str, tuple[list[Piece], Pat
                 raise CheckpointError(f"{path}: holds other tensors than {shards.files[0].name} (differing: "
                                       f"{_listing(diff)}); the shards are from different checkpoints")
         for key in opened[0]:
-            sources[key] = ([tensors[key] for tensors in opened], folder)
+            term = Term([tensors[key] for tensors in opened], folder)
+            sources[key] = sources.get(key, []) + [term] if shards.kind in ADDITIVE else [term]
     return sources
 
 
@@ -55,8 +64,21 @@ def load_weights(model: nn.Module, folders: Sequence[Path], progress: bool = Tru
                               f"{_listing(unexpected)} (wrong llama_type or config?)")
     for name, param in tqdm(params.items(), desc="loading weights", disable=not progress, leave=False):
         key = model.checkpoint_key(name)
-        pieces, folder = sources[key]
-        copy_slice(param.data, pieces, shard_of(model, name), f"{folder}: tensor {key!r}")
+        copy_sum(param.data, sources[key], shard_of(model, name), key)
+
+
+def copy_sum(dest: torch.Tensor, terms: list[Term], shard: Optional[Shard], key: str) -> None:
+    """`copy_slice` of the signed sum of `terms`: one term is copied as it is; a base and its deltas are summed in
+    float32 (float64 for a float64 `dest`) and rounded to dest's dtype once."""
+    if len(terms) == 1 and terms[0].sign == 1:
+        copy_slice(dest, terms[0].pieces, shard, f"{terms[0].folder}: tensor {key!r}")
+        return
+    acc = torch.zeros(dest.shape, dtype=torch.promote_types(dest.dtype, torch.float32), device=dest.device)
+    part = torch.empty_like(acc)
+    for term in terms:
+        copy_slice(part, term.pieces, shard, f"{term.folder}: tensor {key!r}")
+        acc.add_(part, alpha=term.sign)
+    dest.copy_(acc)
 
 
 def copy_slice(dest: torch.Tensor, pieces: list[Piece], shard: Optional[Shard], what: str) -> None:

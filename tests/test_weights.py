@@ -238,3 +238,23 @@ def test_llama2_accessory_flags(tuned, tmp_path):
                        check=True, env=env, capture_output=True)
     got = tensors_of(tmp_path / "out")
     assert all(torch.equal(got[key], expected[key]) for key in expected)
+
+
+def test_reshard_meta_layout(tiny_checkpoints, tmp_path):
+    """Meta's consolidated.NN.pth (rope.freqs, params.json with vocab_size -1) resharded 2 -> 3: a plain
+    checkpoint (rope.freqs dropped, the vocabulary taken from the tokenizer) with the same logits."""
+    import json
+    import shutil
+
+    from accessory.checkpoint.reshard import reshard
+
+    src, meta = tiny_checkpoints["mha", 2], tmp_path / "meta"
+    meta.mkdir()
+    for i, shard in enumerate(sorted(src.glob("consolidated.*"))):
+        tensors = {k.removeprefix("llma."): v for k, v in torch.load(shard, weights_only=True).items()}
+        torch.save({**tensors, "rope.freqs": torch.zeros(4)}, meta / f"consolidated.{i:02d}.pth")
+    (meta / "params.json").write_text(json.dumps({**json.loads((src / "config.json").read_text()), "vocab_size": -1}))
+    shutil.copy(src / "tokenizer.model", meta)
+    out = reshard(meta, tmp_path / "out", 3)
+    assert "llma.rope.freqs" not in torch.load(out / "consolidated.00-of-03.model.pth", weights_only=True)
+    assert torch.equal(logits_of(out), logits_of(src))

@@ -5,6 +5,10 @@ A checkpoint tensor is split across its N shards along at most one dimension; wh
 each parameter's `Shard` (parallel/layers.py). Copying intersects the two, so N -> M works whether or not one
 divides the other, and whether or not the two split the same dimension (Meta's LLaMA-3 splits the embedding by
 vocabulary, fairscale by feature). Only the pages of the needed slices are read from the memory-mapped files.
+
+Folders stack: a later folder's tensor replaces an earlier one's, except a delta folder's (`model-diff` shards),
+which is added to it (`copy_sum`: float32, rounded once). The on-disk tools (reshard.py, delta.py) cut their
+output shards with the same `copy_sum`, so what they write is what loading the inputs would give.
 """
 from __future__ import annotations
 

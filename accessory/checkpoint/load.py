@@ -71,14 +71,18 @@ def load_weights(model: nn.Module, folders: Sequence[Path], progress: bool = Tru
         copy_sum(param.data, sources[key], shard_of(model, name), key)
 
 
-def copy_sum(dest: torch.Tensor, terms: list[Term], shard: Optional[Shard], key: str) -> None:
+def copy_sum(dest: torch.Tensor, terms: list[Term], shard: Optional[Shard], key: str,
+             scratch: Optional[torch.Tensor] = None) -> None:
     """`copy_slice` of the signed sum of `terms`: one term is copied as it is; a base and its deltas are summed in
-    float32 (float64 for a float64 `dest`) and rounded to dest's dtype once."""
+    float32 (float64 for a float64 `dest`) and rounded to dest's dtype once. `scratch` (1-D, of that dtype, at least
+    2 * dest.numel() long) is used for the sum instead of new buffers."""
     if len(terms) == 1 and terms[0].sign == 1:
         copy_slice(dest, terms[0].pieces, shard, f"{terms[0].folder}: tensor {key!r}")
         return
-    acc = torch.zeros(dest.shape, dtype=torch.promote_types(dest.dtype, torch.float32), device=dest.device)
-    part = torch.empty_like(acc)
+    dtype, n = torch.promote_types(dest.dtype, torch.float32), dest.numel()
+    if scratch is None or scratch.dtype != dtype or scratch.numel() < 2 * n:
+        scratch = torch.empty(2 * n, dtype=dtype, device=dest.device)
+    acc, part = scratch[:n].view(dest.shape).zero_(), scratch[n:2 * n].view(dest.shape)
     for term in terms:
         copy_slice(part, term.pieces, shard, f"{term.folder}: tensor {key!r}")
         acc.add_(part, alpha=term.sign)

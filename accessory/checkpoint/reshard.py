@@ -24,7 +24,7 @@ from accessory.checkpoint.save import atomic_folder
 from accessory.errors import CheckpointError
 from accessory.model.LLM import model_classes
 from accessory.model.tokenizer import SIDE_FILES, TOKENIZER_FILES, Tokenizer, find_tokenizer
-from accessory.parallel import ParallelContext, global_shape, shard_of
+from accessory.parallel import ParallelContext, Shard, global_shape, shard_of
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +56,11 @@ def write_streamed(dst: Path, kind: str, folders: Sequence[Path], shards: int, r
     terms = opened()
     with torch.device("meta"):
         _check_layouts(terms, transformer(args, _meta_ctx(0, shards)), shards)
+    count = len(terms)
+    del terms  # holds the inputs' mappings: each output shard opens its own
     log.info("%s %s (%s, %d tensors) into %d shard(s) at %s", verb, ", ".join(map(str, folders)), llama_type,
-             len(terms), shards, dst)
-    with atomic_folder(dst) as tmp, tqdm(total=shards * len(terms), desc=f"{verb} {dst.name}", leave=False) as bar:
+             count, shards, dst)
+    with atomic_folder(dst) as tmp, tqdm(total=shards * count, desc=f"{verb} {dst.name}", leave=False) as bar:
         for rank in range(shards):
             with torch.device("meta"):
                 model = transformer(args, _meta_ctx(rank, shards))
@@ -123,22 +125,30 @@ def _check_layouts(terms: dict[str, list[Term]], model, shards: int) -> None:
 def _cut(terms: dict[str, list[Term]], model, rank: int, dtype, bar) -> dict[str, torch.Tensor]:
     """Output shard `rank`: every tensor's slice for that rank (the whole tensor where it is not split)."""
     params = _saved_params(model)
+    plans = {key: _plan(params, key, key_terms, rank) for key, key_terms in terms.items()}
+    # One float32 buffer for every sum of the shard: a buffer allocated and freed per tensor fragments the heap.
+    sizes = [2 * shape.numel() for shape, _, key_terms in plans.values() if len(key_terms) > 1]
+    scratch = torch.empty(max(sizes), dtype=torch.float32) if sizes else None
     out = {}
-    for key, key_terms in terms.items():
-        if key in params:
-            param, shard = params[key]
-            shape = global_shape(param, shard)
-            if shard is not None:  # saved without the padding of an uneven split, as save.py saves
-                shape[shard.dim] = shard.stop - shard.start
-                shard = replace(shard, local_size=shard.stop - shard.start)
-        else:  # carried over shard by shard (checked: same shard count)
-            key_terms = [term._replace(pieces=[term.pieces[rank]]) for term in key_terms]
-            shard, shape = None, key_terms[0].pieces[0].shape
+    for key, (shape, shard, key_terms) in plans.items():
         dest = torch.empty(shape, dtype=dtype or key_terms[0].pieces[0].dtype)
-        copy_sum(dest, key_terms, shard, key)
+        copy_sum(dest, key_terms, shard, key, scratch)
         out["llma." + key] = dest
         bar.update()
     return out
+
+
+def _plan(params: dict, key: str, terms: list[Term], rank: int) -> tuple[torch.Size, Optional[Shard], list[Term]]:
+    """(shape of the output tensor, the Shard to read with, the terms to read) of one tensor of shard `rank`."""
+    if key not in params:  # carried over shard by shard (checked: same shard count)
+        terms = [term._replace(pieces=[term.pieces[rank]]) for term in terms]
+        return torch.Size(terms[0].pieces[0].shape), None, terms
+    param, shard = params[key]
+    shape = global_shape(param, shard)
+    if shard is not None:  # saved without the padding of an uneven split, as save.py saves
+        shape[shard.dim] = shard.stop - shard.start
+        shard = replace(shard, local_size=shard.stop - shard.start)
+    return torch.Size(shape), shard, terms
 
 
 def _copy_files(folders: Sequence[Path], tmp: Path) -> None:

@@ -5,6 +5,8 @@
     accessory serve [--pretrained_path DIR ...] [--host H] [--port P] [--api-key KEY] ...   (OpenAI-compatible)
     accessory batch --input IN.jsonl --output OUT.jsonl [--mp N] [--batch_size N] ...   (dp x mp under torchrun)
     accessory convert {gguf,hf} SRC DST --shards N
+    accessory weights {apply,extract} --pretrained_path BASE --delta_path DELTA --output_path OUT [--shards N]
+    accessory reshard SRC DST --shards N
 """
 from __future__ import annotations
 
@@ -64,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--shards", type=positive_int, default=1, help="tensor-parallel shard count to save")
     conv.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: keep the source's")
     conv.set_defaults(handler=run_convert)
+    _add_weights_verb(verbs)
+    _add_reshard_verb(verbs)
     return parser
 
 
@@ -212,6 +216,61 @@ def run_batch(args) -> None:
     options = BatchOptions(Path(args.input), Path(args.output), args.mp, args.batch_size, args.template,
                            args.max_seq_len)
     run(options, _sampling_kwargs(args), lambda group: load_model(args, group))
+
+
+def _add_weights_verb(verbs):
+    """`accessory weights OPERATION`: one subcommand per operation on checkpoint weights (add more to `operations`)."""
+    weights = verbs.add_parser("weights", help="operate on checkpoint weights on disk (delta apply / extract)")
+    operations = weights.add_subparsers(dest="operation", required=True)
+    apply = operations.add_parser("apply", help="base + delta (model-diff folder) -> a plain checkpoint")
+    add_delta_args(apply, "the delta folder (consolidated.NN-of-MM.model-diff.pth shards)")
+    apply.set_defaults(handler=run_weight_operate, operate_type="apply")
+    extract = operations.add_parser("extract", help="fine-tuned - base -> a delta (model-diff) folder")
+    add_delta_args(extract, "the fine-tuned checkpoint folder (LLaMA2-Accessory's name for it in extract mode)")
+    extract.set_defaults(handler=run_weight_operate, operate_type="extract")
+    return operations
+
+
+def add_delta_args(parser: argparse.ArgumentParser, delta_help: str) -> None:
+    """LLaMA2-Accessory's tools/weight_operate.py flags, plus the output's shard count and dtype."""
+    parser.add_argument("--pretrained_path", required=True, help="the base checkpoint folder")
+    parser.add_argument("--delta_path", "--finetuned_path", dest="delta_path", required=True, help=delta_help)
+    parser.add_argument("--output_path", required=True, help="new folder to write (must not exist)")
+    parser.add_argument("--shards", type=positive_int, help="shard count of the output (default: the base's)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="dtype of the output (default: each "
+                        "tensor keeps its own: the base's at apply, the fine-tuned one's at extract); sums are taken "
+                        "in float32 and rounded once")
+
+
+def run_weight_operate(args) -> None:
+    from pathlib import Path
+
+    from accessory.checkpoint.delta import apply_delta, extract_delta
+    from accessory.model.meta import DTYPES
+
+    operate = apply_delta if args.operate_type == "apply" else extract_delta
+    operate(Path(args.pretrained_path), Path(args.delta_path), Path(args.output_path), args.shards,
+            DTYPES[args.dtype] if args.dtype else None)
+    print(args.output_path)
+
+
+def _add_reshard_verb(verbs) -> None:
+    reshard = verbs.add_parser("reshard", help="rewrite a checkpoint folder at another shard count (any N -> M)")
+    reshard.add_argument("src", help="checkpoint folder (a delta folder stays a delta)")
+    reshard.add_argument("dst", help="new checkpoint folder (must not exist)")
+    reshard.add_argument("--shards", type=positive_int, required=True, help="shard count to write")
+    reshard.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: keep each tensor's")
+    reshard.set_defaults(handler=run_reshard)
+
+
+def run_reshard(args) -> None:
+    from pathlib import Path
+
+    from accessory.checkpoint.reshard import reshard
+    from accessory.model.meta import DTYPES
+
+    reshard(Path(args.src), Path(args.dst), args.shards, DTYPES[args.dtype] if args.dtype else None)
+    print(args.dst)
 
 
 def run_convert(args) -> None:

@@ -5,26 +5,38 @@ A checkpoint tensor is split across its N shards along at most one dimension; wh
 each parameter's `Shard` (parallel/layers.py). Copying intersects the two, so N -> M works whether or not one
 divides the other, and whether or not the two split the same dimension (Meta's LLaMA-3 splits the embedding by
 vocabulary, fairscale by feature). Only the pages of the needed slices are read from the memory-mapped files.
+
+Folders stack: a later folder's tensor replaces an earlier one's, except a delta folder's (`model-diff` shards),
+which is added to it (`copy_sum`: float32, rounded once). The on-disk tools (reshard.py, delta.py) cut their
+output shards with the same `copy_sum`, so what they write is what loading the inputs would give.
 """
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from accessory.checkpoint.formats import IGNORED_KEYS, Piece, find_shards, read_shard
+from accessory.checkpoint.formats import ADDITIVE, IGNORED_KEYS, Piece, find_shards, read_shard
 from accessory.errors import CheckpointError
 from accessory.parallel import Shard, global_shape, shard_of
 
 log = logging.getLogger(__name__)
 
 
-def open_checkpoint(folders: Sequence[Path]) -> dict[str, tuple[list[Piece], Path]]:
-    """Tensor name -> (its piece in every shard, the folder it comes from); later folders override earlier ones."""
+class Term(NamedTuple):
+    """One folder's copy of a tensor (its piece in every shard), added to the others with `sign`."""
+    pieces: list[Piece]
+    folder: Path
+    sign: int = 1
+
+
+def open_checkpoint(folders: Sequence[Path]) -> dict[str, list[Term]]:
+    """Tensor name -> the terms whose sum it is: a later folder replaces the earlier ones' value, except a delta
+    folder (formats.ADDITIVE), whose tensors add to it."""
     sources = {}
     for folder in folders:
         shards = find_shards(folder)
@@ -35,7 +47,8 @@ def open_checkpoint(folders: Sequence[Path]) -> dict[str, tuple[list[Piece], Pat
                 raise CheckpointError(f"{path}: holds other tensors than {shards.files[0].name} (differing: "
                                       f"{_listing(diff)}); the shards are from different checkpoints")
         for key in opened[0]:
-            sources[key] = ([tensors[key] for tensors in opened], folder)
+            term = Term([tensors[key] for tensors in opened], folder)
+            sources[key] = sources.get(key, []) + [term] if shards.kind in ADDITIVE else [term]
     return sources
 
 
@@ -55,8 +68,25 @@ def load_weights(model: nn.Module, folders: Sequence[Path], progress: bool = Tru
                               f"{_listing(unexpected)} (wrong llama_type or config?)")
     for name, param in tqdm(params.items(), desc="loading weights", disable=not progress, leave=False):
         key = model.checkpoint_key(name)
-        pieces, folder = sources[key]
-        copy_slice(param.data, pieces, shard_of(model, name), f"{folder}: tensor {key!r}")
+        copy_sum(param.data, sources[key], shard_of(model, name), key)
+
+
+def copy_sum(dest: torch.Tensor, terms: list[Term], shard: Optional[Shard], key: str,
+             scratch: Optional[torch.Tensor] = None) -> None:
+    """`copy_slice` of the signed sum of `terms`: one term is copied as it is; a base and its deltas are summed in
+    float32 (float64 for a float64 `dest`) and rounded to dest's dtype once. `scratch` (1-D, of that dtype, at least
+    2 * dest.numel() long) is used for the sum instead of new buffers."""
+    if len(terms) == 1 and terms[0].sign == 1:
+        copy_slice(dest, terms[0].pieces, shard, f"{terms[0].folder}: tensor {key!r}")
+        return
+    dtype, n = torch.promote_types(dest.dtype, torch.float32), dest.numel()
+    if scratch is None or scratch.dtype != dtype or scratch.numel() < 2 * n:
+        scratch = torch.empty(2 * n, dtype=dtype, device=dest.device)
+    acc, part = scratch[:n].view(dest.shape).zero_(), scratch[n:2 * n].view(dest.shape)
+    for term in terms:
+        copy_slice(part, term.pieces, shard, f"{term.folder}: tensor {key!r}")
+        acc.add_(part, alpha=term.sign)
+    dest.copy_(acc)
 
 
 def copy_slice(dest: torch.Tensor, pieces: list[Piece], shard: Optional[Shard], what: str) -> None:

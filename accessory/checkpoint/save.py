@@ -11,12 +11,14 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from tqdm import tqdm
 
+from accessory.checkpoint.formats import shard_name
 from accessory.errors import CheckpointError
 from accessory.model.LLM import model_classes
 from accessory.parallel import ParallelContext, global_shape, shard_of
@@ -27,25 +29,36 @@ def save_checkpoint(dst: Path, state_dict: dict[str, torch.Tensor], config: dict
                     dtype: Optional[torch.dtype] = None) -> Path:
     """Save full (unsharded) tensors, keyed by Meta names, as `shards` shard files in a new folder `dst`."""
     dst = Path(dst)
-    if dst.exists():
-        raise CheckpointError(f"{dst} already exists; choose a new output folder (inputs are never overwritten)")
     model_args, transformer = model_classes(llama_type)
     args = model_args.from_dict(config, source="config to save")
+    with atomic_folder(dst) as tmp:
+        for rank in tqdm(range(shards), desc=f"writing {dst.name}", leave=False):
+            with torch.device("meta"):
+                model = transformer(args, ParallelContext(None, rank, shards, 0))
+            shard = _cut_shard(model, state_dict, dtype)
+            torch.save(shard, tmp / shard_name("accessory", rank, shards))
+        (tmp / "meta.json").write_text(json.dumps({"llama_type": llama_type}, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(args.to_dict(), indent=2) + "\n")
+        for path in tokenizer_files:
+            shutil.copyfile(path, tmp / Path(path).name)
+    return dst
+
+
+@contextmanager
+def atomic_folder(dst: Path) -> Iterator[Path]:
+    """A temporary folder beside `dst` to write into; renamed to `dst` when the block ends, removed if it raises.
+
+    `dst` must not exist: it is refused before anything is written, and if it appears meanwhile it is left alone.
+    """
+    if dst.exists():
+        raise CheckpointError(f"{dst} already exists; choose a new output folder (inputs are never overwritten)")
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the checkpoint should read like any new folder
     try:
-        for rank in tqdm(range(shards), desc=f"writing {dst.name}", leave=False):
-            with torch.device("meta"):
-                model = transformer(args, ParallelContext(None, rank, shards, 0))
-            shard = _cut_shard(model, state_dict, dtype)
-            torch.save(shard, tmp / f"consolidated.{rank:02d}-of-{shards:02d}.model.pth")
-        (tmp / "meta.json").write_text(json.dumps({"llama_type": llama_type}, indent=2) + "\n")
-        (tmp / "config.json").write_text(json.dumps(args.to_dict(), indent=2) + "\n")
-        for path in tokenizer_files:
-            shutil.copyfile(path, tmp / Path(path).name)
+        yield tmp
         try:
             os.rename(tmp, dst)
         except OSError as e:
@@ -53,7 +66,6 @@ def save_checkpoint(dst: Path, state_dict: dict[str, torch.Tensor], config: dict
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return dst
 
 
 def _cut_shard(model, state_dict: dict[str, torch.Tensor], dtype) -> dict[str, torch.Tensor]:

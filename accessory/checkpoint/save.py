@@ -11,8 +11,9 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from tqdm import tqdm
@@ -26,18 +27,10 @@ def save_checkpoint(dst: Path, state_dict: dict[str, torch.Tensor], config: dict
                     tokenizer_files: Sequence[Path] = (), llama_type: str = "llama",
                     dtype: Optional[torch.dtype] = None) -> Path:
     """Save full (unsharded) tensors, keyed by Meta names, as `shards` shard files in a new folder `dst`."""
-    dst = Path(dst)
-    if dst.exists():
-        raise CheckpointError(f"{dst} already exists; choose a new output folder (inputs are never overwritten)")
     model_args, transformer = model_classes(llama_type)
     args = model_args.from_dict(config, source="config to save")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the checkpoint should read like any new folder
-    try:
-        for rank in tqdm(range(shards), desc=f"writing {dst.name}", leave=False):
+    with atomic_folder(dst) as tmp:
+        for rank in tqdm(range(shards), desc=f"writing {Path(dst).name}", leave=False):
             with torch.device("meta"):
                 model = transformer(args, ParallelContext(None, rank, shards, 0))
             shard = _cut_shard(model, state_dict, dtype)
@@ -46,6 +39,23 @@ def save_checkpoint(dst: Path, state_dict: dict[str, torch.Tensor], config: dict
         (tmp / "config.json").write_text(json.dumps(args.to_dict(), indent=2) + "\n")
         for path in tokenizer_files:
             shutil.copyfile(path, tmp / Path(path).name)
+    return Path(dst)
+
+
+@contextmanager
+def atomic_folder(dst: Path) -> Iterator[Path]:
+    """A new temporary folder beside `dst` to write into, renamed to `dst` when the block ends normally and removed
+    when it raises. An existing `dst` is refused: inputs are never overwritten."""
+    dst = Path(dst)
+    if dst.exists():
+        raise CheckpointError(f"{dst} already exists; choose a new output folder (inputs are never overwritten)")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the output should read like any new folder
+    try:
+        yield tmp
         try:
             os.rename(tmp, dst)
         except OSError as e:
@@ -53,7 +63,6 @@ def save_checkpoint(dst: Path, state_dict: dict[str, torch.Tensor], config: dict
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return dst
 
 
 def _cut_shard(model, state_dict: dict[str, torch.Tensor], dtype) -> dict[str, torch.Tensor]:

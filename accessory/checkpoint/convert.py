@@ -14,6 +14,7 @@ canonical form (full tensors under Meta names, q/k interleaved), so any source r
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
@@ -54,11 +55,22 @@ def read(source: str, src: Path, workdir: Path, llama_type=None, llama_config: S
         return importers.read_gguf(src, workdir)
     if source == "hf":
         return importers.read_hf(src)
+    tokenizer_path = _canonical_tokenizer(tokenizer_path, workdir)
     if source in ("accessory", "meta"):
         return importers.read_sharded(src, llama_type, llama_config, tokenizer_path)
     if source == "dcp":
         return importers.read_dcp(src, llama_type, llama_config, tokenizer_path)
     raise ValueError(f"unknown source format {source!r}; known: {SOURCES}")
+
+
+def _canonical_tokenizer(path, workdir: Path):
+    """A tokenizer given by flag under another name (tokenizer.model.v1, say) is copied as tokenizer.model /
+    tokenizer.json: the output must hold it under the name that loading looks for."""
+    if path is None or Path(path).name in ("tokenizer.model", "tokenizer.json") or Path(path).is_dir():
+        return path
+    target = workdir / ("tokenizer.json" if Path(path).suffix == ".json" else "tokenizer.model")
+    shutil.copyfile(path, target)
+    return target
 
 
 def _check_request(source, target, src: Path, dst: Path, shards, llama_type, llama_config, tokenizer_path) -> None:

@@ -186,6 +186,8 @@ def test_convert_refusals(tmp_path, tiny_checkpoints):
         convert("accessory", src, tmp_path / "out")
     with pytest.raises(CheckpointError, match="not tensor-parallel"):
         convert("accessory", src, tmp_path / "out", 2, target="hf")
+    with pytest.raises(CheckpointError, match="holds accessory shards, not meta ones"):
+        convert("meta", src, tmp_path / "out")
     with pytest.raises(CheckpointError, match="carries its own config"):
         convert("hf", src, tmp_path / "out", llama_type="llama")
     assert not (tmp_path / "out").exists()

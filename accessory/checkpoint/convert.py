@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from accessory.checkpoint.formats import find_shards
 from accessory.checkpoint.save import save_checkpoint
 from accessory.errors import CheckpointError
 
@@ -57,6 +58,9 @@ def read(source: str, src: Path, workdir: Path, llama_type=None, llama_config: S
         return importers.read_hf(src)
     tokenizer_path = _canonical_tokenizer(tokenizer_path, workdir)
     if source in ("accessory", "meta"):
+        kind = find_shards(src).kind
+        if kind != source:
+            raise CheckpointError(f"{src}: holds {kind} shards, not {source} ones; convert it as {kind!r}")
         return importers.read_sharded(src, llama_type, llama_config, tokenizer_path)
     if source == "dcp":
         return importers.read_dcp(src, llama_type, llama_config, tokenizer_path)

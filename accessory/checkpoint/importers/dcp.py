@@ -8,6 +8,7 @@ metadata tells every tensor's shape and dtype, so the tensors are allocated whol
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -79,7 +80,9 @@ def read_dcp(folder, llama_type: Optional[str] = None, llama_config: Sequence[st
     state_dict = {prefix + k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in ours.items()
                   if k not in IGNORED_KEYS}
     try:
-        dcp.load(state_dict, storage_reader=FileSystemReader(str(folder)), no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state_dict, storage_reader=FileSystemReader(str(folder)), no_dist=True)
     except Exception as e:  # CheckpointException wraps the per-file failures (a missing or short .distcp file)
         raise CheckpointError(f"{folder}: reading the tensors failed: {e}") from e
     state_dict = {k[len(prefix):]: v for k, v in state_dict.items()}

@@ -302,11 +302,12 @@ def write_hf(model: ImportedModel, dst, dtype: Optional[torch.dtype] = None,
         if tokenizer and not (tmp / "generation_config.json").is_file():
             generation = {k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos)) if v is not None}
             (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        _write_safetensors(weights, tmp, dtype, max_shard_bytes)
+        _write_safetensors(weights, tmp, dtype, max_shard_bytes, Path(dst).name)
     return Path(dst)
 
 
-def _write_safetensors(weights: dict[str, torch.Tensor], folder: Path, dtype: torch.dtype, max_bytes: int) -> None:
+def _write_safetensors(weights: dict[str, torch.Tensor], folder: Path, dtype: torch.dtype, max_bytes: int,
+                       name: str) -> None:
     from safetensors.torch import save_file
 
     groups, size = [[]], 0
@@ -319,7 +320,7 @@ def _write_safetensors(weights: dict[str, torch.Tensor], folder: Path, dtype: to
         size += nbytes
     names = (["model.safetensors"] if len(groups) == 1 else
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
-    for file, group in tqdm(list(zip(names, groups)), desc=f"writing {folder.name}", unit="file", leave=False):
+    for file, group in tqdm(list(zip(names, groups)), desc=f"writing {name}", unit="file", leave=False):
         # clone: safetensors refuses tensors that share storage, which views of one memory-mapped file may do
         save_file({n: weights[n].to(dtype).contiguous().clone() for n in group}, str(folder / file),
                   metadata={"format": "pt"})  # transformers refuses safetensors without this metadata

@@ -220,6 +220,8 @@ def test_inspect_healthy(tiny_checkpoints, capsys):
     assert report["tokenizer"] == {"file": "tokenizer.model", "kind": "sentencepiece", "vocab_size": 32000,
                                    "bos_id": 1, "eos_id": 2, "chat_template": False}
     assert report["healthy"] and not report["problems"]
+    cli("inspect", folder, "--json")
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(report))
 
 
 def _broken_copy(tiny_checkpoints, tmp_path):
@@ -251,7 +253,7 @@ def test_inspect_key_in_one_shard_only(tiny_checkpoints, tmp_path, capsys):
     torch.save(tensors, second)
     code, out = inspect_cli(folder, capsys)
     assert code == 1 and f"{second}: holds other tensors than consolidated.00-of-02.model.pth: " \
-                         f"missing ['norm.weight']" in out
+                         f"missing [norm.weight], extra []" in out
 
 
 def test_inspect_inconsistent_shapes(tiny_checkpoints, tmp_path, capsys):

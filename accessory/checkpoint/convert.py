@@ -42,7 +42,7 @@ def convert(source: str, src: Path, dst: Path, shards: Optional[int] = 1, dtype:
         model = read(source, Path(src), Path(work), llama_type, llama_config, tokenizer_path)
         if target == "hf":
             from accessory.checkpoint.importers import write_hf
-            return write_hf(model, dst, dtype, max_shard_bytes)
+            return write_hf(model, dst, dtype, max_shard_bytes, source=str(src))
         return save_checkpoint(dst, model.state_dict, model.config, shards or 1, model.tokenizer_files,
                                model.llama_type, dtype=dtype)
 
@@ -61,6 +61,8 @@ def read(source: str, src: Path, workdir: Path, llama_type=None, llama_config: S
         kind = find_shards(src).kind
         if kind != source:
             raise CheckpointError(f"{src}: holds {kind} shards, not {source} ones; convert it as {kind!r}")
+        if source == "meta" and not (src / "params.json").is_file() and not llama_config:
+            raise CheckpointError(f"{src}: no params.json; Meta's release folders carry one (or pass --llama_config)")
         return importers.read_sharded(src, llama_type, llama_config, tokenizer_path)
     if source == "dcp":
         return importers.read_dcp(src, llama_type, llama_config, tokenizer_path)
@@ -91,5 +93,3 @@ def _check_request(source, target, src: Path, dst: Path, shards, llama_type, lla
     if source in SELF_DESCRIBING and (llama_type or llama_config or tokenizer_path):
         raise CheckpointError(f"a {source} checkpoint carries its own config and tokenizer; --llama_type, "
                               f"--llama_config and --tokenizer_path apply to accessory, meta and dcp sources")
-    if source == "meta" and not (src / "params.json").is_file() and not llama_config:
-        raise CheckpointError(f"{src}: no params.json; Meta's release folders carry one (or pass --llama_config)")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from accessory.errors import AccessoryError
+from accessory.errors import AccessoryError, CheckpointError
 
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                    "pytorch_model.bin.index.json")
@@ -87,15 +87,16 @@ def _inspect_shards(report: Report, folder: Path) -> None:
 
 
 def _check_same_keys(report: Report, opened: dict) -> None:
+    from accessory.checkpoint.load import _listing
+
     if not opened:
         return
     first_path, first = next(iter(opened.items()))
     for path, tensors in opened.items():
-        if diff := sorted(tensors.keys() ^ first.keys()):
-            only_here, only_first = sorted(tensors.keys() - first.keys()), sorted(first.keys() - tensors.keys())
-            report.problems.append(f"{path}: holds other tensors than {first_path.name}: missing {only_first}, "
-                                   f"extra {only_here}" if len(diff) < 20 else f"{path}: differs from "
-                                   f"{first_path.name} in {len(diff)} tensors")
+        missing, extra = sorted(first.keys() - tensors.keys()), sorted(tensors.keys() - first.keys())
+        if missing or extra:
+            report.problems.append(f"{path}: holds other tensors than {first_path.name}: missing "
+                                   f"[{_listing(missing)}], extra [{_listing(extra)}]")
 
 
 def _check_pieces(report: Report, folder: Path, opened: list[dict], shapes: dict) -> None:
@@ -126,11 +127,12 @@ def _describe_model(report: Report, folders: list[Path], tokenizer_path=None) ->
     tokenizer = None
     try:
         tokenizer = find_tokenizer_for(folders, tokenizer_path)
-        report.tokenizer = _tokenizer_facts(tokenizer) if tokenizer else None
-    except AccessoryError as e:
+        if tokenizer is None:
+            report.problems.append(f"{folders[-1]}: no tokenizer.model or tokenizer.json beside the weights")
+        else:
+            report.tokenizer = _tokenizer_facts(tokenizer)
+    except AccessoryError as e:  # an unreadable tokenizer file
         report.problems.append(str(e))
-    if tokenizer is None and not any("tokenizer" in p for p in report.problems):
-        report.problems.append(f"{folders[-1]}: no tokenizer.model or tokenizer.json beside the weights")
     try:
         spec = read_spec(folders)
         report.llama_type, report.config = spec.llama_type, dict(spec.config)
@@ -197,17 +199,18 @@ def _inspect_gguf(report: Report, path: Path) -> None:
     """A GGUF file is checked by importing it (metadata, names, shapes), which dequantizes every tensor."""
     import tempfile
 
+    import gguf
+
     from accessory.checkpoint.importers import read_gguf
 
     report.format, report.files = "gguf", [path.name]
-    import gguf
-    reader = gguf.GGUFReader(path)
-    report.dtypes = sorted({t.tensor_type.name for t in reader.tensors})
+    try:
+        stored = sorted({t.tensor_type.name for t in gguf.GGUFReader(path).tensors})
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"{path}: cannot read as GGUF: {e}") from e
     with tempfile.TemporaryDirectory(prefix="accessory-inspect-") as work:
-        imported = read_gguf(path, Path(work))
-        dtypes = report.dtypes
-        _fill_from_import(report, imported, Path(work))
-        report.dtypes = dtypes  # the stored (quantized) types, not the dequantized float32
+        _fill_from_import(report, read_gguf(path, Path(work)), Path(work))
+    report.dtypes = stored  # the stored (quantized) types, not the dequantized float32
 
 
 def _fill_from_import(report: Report, imported, tokenizer_folder: Path) -> None:

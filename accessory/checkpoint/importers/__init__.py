@@ -1,5 +1,6 @@
-"""Importers: read a foreign checkpoint (an HF `LlamaForCausalLM` folder, a llama.cpp GGUF file) into our canonical
-in-memory form, an `ImportedModel`.
+"""Importers: read a checkpoint (an HF `LlamaForCausalLM` folder, a llama.cpp GGUF file, accessory or Meta shards, a
+torch.distributed.checkpoint folder) into our canonical in-memory form, an `ImportedModel`; `hf.write_hf` writes
+that form back out as an HF folder.
 
 Canonical form: Meta's LLaMA parameter names without prefix (`tok_embeddings.weight`,
 `layers.{i}.attention.wq.weight`, ..., `norm.weight`, `output.weight`), full (unsharded) tensors, q/k in Meta's

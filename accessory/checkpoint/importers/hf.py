@@ -269,9 +269,9 @@ def _rope_to_hf(args) -> Optional[dict]:
 
 def hf_state_dict(state_dict: dict[str, torch.Tensor], args, source: str) -> dict[str, torch.Tensor]:
     """Canonical tensors -> HF names, q/k permuted to rotate-half; the inverse of `read_hf`'s renaming."""
-    check_shapes(state_dict, args, source)
     to_hf = {ours: theirs for theirs, ours in expand_templates(HF_TO_META, args.n_layers).items()}
     out = rename_strict(state_dict, to_hf, source, optional=frozenset({"lm_head.weight"}))
+    check_shapes(state_dict, args, source)
     if args.tie_word_embeddings:
         out.pop("lm_head.weight", None)  # HF ties it to embed_tokens when loading
     elif "lm_head.weight" not in out:
@@ -282,22 +282,23 @@ def hf_state_dict(state_dict: dict[str, torch.Tensor], args, source: str) -> dic
     return out
 
 
-def write_hf(model: ImportedModel, dst, dtype: Optional[torch.dtype] = None,
-             max_shard_bytes: int = 5 << 30) -> Path:
+def write_hf(model: ImportedModel, dst, dtype: Optional[torch.dtype] = None, max_shard_bytes: int = 5 << 30,
+             source: str = "checkpoint to export") -> Path:
     """Write a canonical model as a new HF folder that transformers loads with `LlamaForCausalLM.from_pretrained`
     and `AutoTokenizer.from_pretrained`: model.safetensors (sharded with an index past `max_shard_bytes`),
     config.json, generation_config.json and the tokenizer. Atomic; an existing `dst` is refused."""
     from accessory.checkpoint.save import atomic_folder
 
     if model.llama_type != "llama":
-        raise CheckpointError(f"llama_type {model.llama_type!r} has no HF LlamaForCausalLM form; only 'llama' does")
-    args = validated_args(model.config, source="config to export")
+        raise CheckpointError(f"{source}: llama_type {model.llama_type!r} has no HF LlamaForCausalLM form; only "
+                              f"'llama' does")
+    args = validated_args(model.config, source=f"config of {source}")
     dtype = dtype or next(iter(model.state_dict.values())).dtype
-    weights = hf_state_dict(model.state_dict, args, "checkpoint to export")
+    weights = hf_state_dict(model.state_dict, args, source)
     with atomic_folder(dst) as tmp:
         tokenizer = _write_tokenizer(model.tokenizer_files, tmp)
         bos, eos = (tokenizer.bos_id, tokenizer.eos_id) if tokenizer else (None, None)
-        config = config_to_hf(model.config, dtype, bos, eos, source="config to export")
+        config = config_to_hf(model.config, dtype, bos, eos, source=f"config of {source}")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if tokenizer and not (tmp / "generation_config.json").is_file():
             generation = {k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos)) if v is not None}

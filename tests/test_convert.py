@@ -288,3 +288,20 @@ def test_inspect_dcp_and_hf(tmp_path, llama_tokenizer, capsys):
     shutil.copy(llama_tokenizer, tmp_path / "hf" / "tokenizer.model")
     report = inspect_checkpoint(tmp_path / "hf")
     assert report.format == "hf" and not report.problems and report.config["tie_word_embeddings"] is True
+
+
+def test_dcp_truncated_data_file_is_named(tmp_path, llama_tokenizer):
+    import torch.distributed.checkpoint as dcp
+
+    from accessory.checkpoint.convert import convert
+    from accessory.errors import CheckpointError
+
+    config = TINY_CONFIGS["gqa"]
+    dcp.save(tiny_state_dict(config), checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    (tmp_path / "dcp" / "config.json").write_text(json.dumps(config))
+    shutil.copy(llama_tokenizer, tmp_path / "dcp" / "tokenizer.model")
+    data = next((tmp_path / "dcp").glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'dcp'}: reading tensor '.*' failed"):
+        convert("dcp", tmp_path / "dcp", tmp_path / "acc", 1)
+    assert not (tmp_path / "acc").exists()

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+from tqdm import tqdm
 
 from accessory.checkpoint.config import read_spec
 from accessory.checkpoint.formats import IGNORED_KEYS
@@ -53,14 +54,32 @@ def model_prefix(keys, folder: Path) -> str:
                           f"holds {_clip(sorted(keys))}")
 
 
+def _load_tensor(folder: Path, key: str, meta) -> torch.Tensor:
+    """One tensor, allocated from its metadata and filled by `dcp.load` in this process alone (one call per tensor,
+    so that a progress bar can follow; each reads only that tensor's bytes)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    wanted = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)}
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(wanted, storage_reader=FileSystemReader(str(folder)), no_dist=True)
+    except CheckpointException as e:  # a BaseException wrapping each rank's failure (a missing or short file)
+        causes = "; ".join(f"{type(exc).__name__}: {str(exc).splitlines()[0]}" for exc, _ in e.failures.values())
+        raise CheckpointError(f"{folder}: reading tensor {key!r} failed ({causes})") from None
+    except Exception as e:
+        raise CheckpointError(f"{folder}: reading tensor {key!r} failed ({type(e).__name__}: {e})") from e
+    return wanted[key]
+
+
 def read_dcp(folder, llama_type: Optional[str] = None, llama_config: Sequence[str] = (),
              tokenizer_path=None) -> ImportedModel:
     """The model tensors of a DCP folder under canonical names; the config from meta.json / params.json /
     config.json beside them and then `llama_config`; the tokenizer found there or at `tokenizer_path`.
     Entries outside the model's prefix (an optimizer's state, say) are skipped, and listed in the log."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
     folder = Path(folder)
     entries = tensor_entries(read_dcp_metadata(folder))
     spec = read_spec([folder], llama_type, llama_config)
@@ -77,13 +96,6 @@ def read_dcp(folder, llama_type: Optional[str] = None, llama_config: Sequence[st
              if k in shapes and tuple(m.size) != shapes[k]]
     if problem or wrong:
         raise CheckpointError(f"{folder}: {problem or 'tensor shape(s) disagree with the config: ' + _clip(wrong)}")
-    state_dict = {prefix + k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in ours.items()
-                  if k not in IGNORED_KEYS}
-    try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state_dict, storage_reader=FileSystemReader(str(folder)), no_dist=True)
-    except Exception as e:  # CheckpointException wraps the per-file failures (a missing or short .distcp file)
-        raise CheckpointError(f"{folder}: reading the tensors failed: {e}") from e
-    state_dict = {k[len(prefix):]: v for k, v in state_dict.items()}
+    state_dict = {k: _load_tensor(folder, prefix + k, m) for k, m in
+                  tqdm(ours.items(), desc=f"reading {folder.name}", unit="tensor") if k not in IGNORED_KEYS}
     return ImportedModel(state_dict, config, tokenizer.files if tokenizer else [], spec.llama_type)

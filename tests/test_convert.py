@@ -111,30 +111,40 @@ def test_config_to_hf_inverts_config_from_hf(name):
 # --- Meta's release -----------------------------------------------------------------------------------------------
 
 # How Meta's reference code splits each tensor across model-parallel ranks (fairscale): column-parallel by rows,
-# row-parallel by columns, the embedding by features; norms are replicated.
-META_SPLIT = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "output": 0, "wo": 1, "w2": 1, "tok_embeddings": 1}
+# row-parallel by columns; the embedding by features (LLaMA-1/2) or by vocabulary (LLaMA-3); norms replicated.
+META_SPLIT = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "output": 0, "wo": 1, "w2": 1}
 
 
-def write_meta_release(folder, config: dict, state_dict: dict, shards: int, tokenizer) -> None:
+def write_meta_release(folder, config: dict, state_dict: dict, shards: int, tokenizer, embedding_dim: int) -> None:
     folder.mkdir()
+    split = {**META_SPLIT, "tok_embeddings": embedding_dim}
     for rank in range(shards):
         part = {"rope.freqs": torch.zeros(4)}  # LLaMA-1/2 shards carry the RoPE table; it is recomputed
         for key, tensor in state_dict.items():
-            dim = META_SPLIT.get(key.split(".")[-2])
+            dim = split.get(key.split(".")[-2])
             part[key] = tensor if dim is None else tensor.chunk(shards, dim)[rank].clone()
         torch.save(part, folder / f"consolidated.{rank:02d}.pth")
     (folder / "params.json").write_text(json.dumps({**config, "vocab_size": -1}))  # -1 as Meta's LLaMA-2 says
     shutil.copy(tokenizer, folder / "tokenizer.model")
 
 
-def test_meta_release_to_accessory(tmp_path, llama_tokenizer):
+@pytest.mark.parametrize("embedding_dim", [1, 0], ids=["llama2-split", "llama3-split"])
+def test_meta_release_to_accessory_and_hf(tmp_path, llama_tokenizer, embedding_dim):
+    from transformers import LlamaForCausalLM
+
     config = dict(TINY_CONFIGS["mha"], hidden_dim=96)  # 96: Meta's split needs an even FFN size
-    write_meta_release(tmp_path / "meta", config, tiny_state_dict(config), 2, llama_tokenizer)
+    write_meta_release(tmp_path / "meta", config, tiny_state_dict(config), 2, llama_tokenizer, embedding_dim)
     cli("convert", "meta", tmp_path / "meta", tmp_path / "acc", "--shards", 3)
     assert sorted(p.name for p in (tmp_path / "acc").glob("consolidated.*")) == [
         f"consolidated.{i:02d}-of-03.model.pth" for i in range(3)]
     assert json.loads((tmp_path / "acc" / "config.json").read_text())["vocab_size"] == 32000
-    assert torch.equal(our_logits(tmp_path / "acc"), our_logits(tmp_path / "meta"))
+    direct = our_logits(tmp_path / "meta")
+    assert torch.equal(our_logits(tmp_path / "acc"), direct)
+    # Straight to HF as well (any source reaches any target): transformers gives the same logits.
+    cli("convert", "meta", tmp_path / "meta", tmp_path / "hf", "--to", "hf")
+    with torch.no_grad():
+        hf_logits = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()(torch.tensor(IDS)).logits
+    assert (hf_logits - direct).abs().max().item() < 1e-4
 
 
 # --- torch.distributed.checkpoint ---------------------------------------------------------------------------------

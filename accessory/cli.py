@@ -4,7 +4,8 @@
     accessory chat [--pretrained_path DIR ...] [--template NAME] [--system TEXT] ...
     accessory serve [--pretrained_path DIR ...] [--host H] [--port P] [--api-key KEY] ...   (OpenAI-compatible)
     accessory batch --input IN.jsonl --output OUT.jsonl [--mp N] [--batch_size N] ...   (dp x mp under torchrun)
-    accessory convert {gguf,hf} SRC DST --shards N
+    accessory convert {accessory,meta,hf,gguf,dcp} SRC DST [--to {accessory,hf}] [--shards N] ...
+    accessory inspect PATH [--json]
     accessory weights {apply,extract} --pretrained_path BASE --delta_path DELTA --output_path OUT [--shards N]
     accessory reshard SRC DST --shards N
 """
@@ -59,13 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="on SIGTERM, seconds to let running requests finish before cancelling them")
     serve.set_defaults(handler=run_serve, max_seq_len=2048)
 
-    conv = verbs.add_parser("convert", help="import a GGUF file or a Hugging Face folder as sharded checkpoint")
-    conv.add_argument("source", choices=["gguf", "hf"])
-    conv.add_argument("src", help="the .gguf file, or the HF LlamaForCausalLM folder")
-    conv.add_argument("dst", help="new checkpoint folder (must not exist)")
-    conv.add_argument("--shards", type=positive_int, default=1, help="tensor-parallel shard count to save")
-    conv.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: keep the source's")
-    conv.set_defaults(handler=run_convert)
+    _add_convert_verb(verbs)
+    _add_inspect_verb(verbs)
     _add_weights_verb(verbs)
     _add_reshard_verb(verbs)
     return parser
@@ -273,14 +269,73 @@ def run_reshard(args) -> None:
     print(args.dst)
 
 
+def _add_convert_verb(verbs) -> None:
+    conv = verbs.add_parser("convert", help="convert a checkpoint between formats (accessory shards, Meta's "
+                            "release, Hugging Face, GGUF, torch.distributed.checkpoint)")
+    conv.add_argument("source", choices=["accessory", "meta", "hf", "gguf", "dcp"], help="the format of SRC")
+    conv.add_argument("src", help="the checkpoint folder, or the .gguf file")
+    conv.add_argument("dst", help="new output folder (must not exist)")
+    conv.add_argument("--to", dest="target", choices=["accessory", "hf"], default="accessory",
+                      help="output format (default: accessory shards)")
+    conv.add_argument("--shards", type=positive_int, help="tensor-parallel shard count to save (default 1; "
+                      "accessory output only)")
+    conv.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: keep the source's")
+    conv.add_argument("--max_shard_size", type=_byte_size, default=5 << 30,
+                      help="HF output: largest safetensors file, e.g. 5GB, 500MB (default 5GB)")
+    given = conv.add_argument_group("model description (accessory, meta and dcp sources)")
+    given.add_argument("--llama_type", help="model type (default: meta.json's beside SRC, else llama)")
+    given.add_argument("--llama_config", nargs="+", default=[], help="config files (params.json / config.json) "
+                       "overriding those beside SRC")
+    given.add_argument("--tokenizer_path", help="tokenizer.model / tokenizer.json (default: found beside SRC)")
+    conv.set_defaults(handler=run_convert)
+
+
 def run_convert(args) -> None:
     from pathlib import Path
 
     from accessory.checkpoint.convert import convert
     from accessory.model.meta import DTYPES
 
-    convert(args.source, Path(args.src), Path(args.dst), args.shards, DTYPES[args.dtype] if args.dtype else None)
+    convert(args.source, Path(args.src), Path(args.dst), args.shards, DTYPES[args.dtype] if args.dtype else None,
+            args.target, args.llama_type, args.llama_config, args.tokenizer_path, args.max_shard_size)
     print(args.dst)
+
+
+def _add_inspect_verb(verbs) -> None:
+    inspect = verbs.add_parser("inspect", help="describe a checkpoint (format, shards, dtype, parameters, config, "
+                               "tokenizer) and check every shard; exit 1 naming the problems if any")
+    inspect.add_argument("path", help="a checkpoint folder (accessory, Meta, HF, DCP) or a .gguf file")
+    inspect.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    inspect.set_defaults(handler=run_inspect)
+
+
+def run_inspect(args) -> None:
+    import json
+    from pathlib import Path
+
+    from accessory.checkpoint.inspect import format_report, inspect_checkpoint
+
+    report = inspect_checkpoint(Path(args.path))
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report), flush=True)
+    if report.problems:
+        sys.exit(1)
+
+
+_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000 ** 2, "GB": 1000 ** 3, "KIB": 1 << 10, "MIB": 1 << 20,
+          "GIB": 1 << 30}
+
+
+def _byte_size(text: str) -> int:
+    """'5GB', '500MB', '40KB' or a plain byte count (decimal units, as transformers' max_shard_size)."""
+    number = text.rstrip("KMGiBkmgib")
+    unit = text[len(number):].upper()
+    try:
+        value = int(float(number) * _UNITS[unit])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"must be a size such as 5GB, 500MB or 40000, got {text}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
 
 
 def main(argv=None) -> None:

@@ -57,15 +57,9 @@ def load_weights(model: nn.Module, folders: Sequence[Path], progress: bool = Tru
     sources = open_checkpoint(folders)
     params = dict(model.named_parameters())
     wanted = {model.checkpoint_key(name) for name in params}
-    missing = sorted(wanted - sources.keys())
-    unexpected = sorted(sources.keys() - wanted - IGNORED_KEYS)
-    where = ", ".join(str(f) for f in folders)
-    if missing:
-        raise CheckpointError(f"{where}: checkpoint lacks {len(missing)} tensor(s) the model needs: "
-                              f"{_listing(missing)} (wrong llama_type or config, or a partial checkpoint?)")
-    if unexpected:
-        raise CheckpointError(f"{where}: checkpoint has {len(unexpected)} tensor(s) the model does not use: "
-                              f"{_listing(unexpected)} (wrong llama_type or config?)")
+    problem = key_mismatch(sources.keys(), wanted)
+    if problem:
+        raise CheckpointError(f"{', '.join(str(f) for f in folders)}: {problem}")
     for name, param in tqdm(params.items(), desc="loading weights", disable=not progress, leave=False):
         key = model.checkpoint_key(name)
         copy_sum(param.data, sources[key], shard_of(model, name), key)
@@ -87,6 +81,19 @@ def copy_sum(dest: torch.Tensor, terms: list[Term], shard: Optional[Shard], key:
         copy_slice(part, term.pieces, shard, f"{term.folder}: tensor {key!r}")
         acc.add_(part, alpha=term.sign)
     dest.copy_(acc)
+
+
+def key_mismatch(found, wanted) -> Optional[str]:
+    """What is wrong with a checkpoint holding tensors `found` for a model that loads `wanted`, or None."""
+    missing = sorted(set(wanted) - set(found))
+    unexpected = sorted(set(found) - set(wanted) - IGNORED_KEYS)
+    if missing:
+        return (f"checkpoint lacks {len(missing)} tensor(s) the model needs: {_listing(missing)} "
+                f"(wrong llama_type or config, or a partial checkpoint?)")
+    if unexpected:
+        return (f"checkpoint has {len(unexpected)} tensor(s) the model does not use: {_listing(unexpected)} "
+                f"(wrong llama_type or config?)")
+    return None
 
 
 def copy_slice(dest: torch.Tensor, pieces: list[Piece], shard: Optional[Shard], what: str) -> None:
@@ -149,3 +156,20 @@ def _shape_listing(shapes: list[list[int]]) -> str:
         if s not in distinct:
             distinct.append(s)
     return ", ".join(str(s) for s in distinct)
+
+
+def split_dim(pieces: list[Piece], full_shape: list[int], what: str) -> Optional[int]:
+    """The dimension the checkpoint split a tensor along across its shards (None: replicated, or one shard), as
+    loading reads it; CheckpointError naming `what` if the pieces do not assemble into `full_shape`."""
+    return _layout(pieces, list(full_shape), what)[0][1]
+
+
+def assemble(pieces: list[Piece], full_shape: list[int], what: str) -> torch.Tensor:
+    """The whole tensor (in the shards' dtype) that `pieces` are split from, shaped `full_shape`."""
+    layout = _layout(pieces, list(full_shape), what)
+    if layout[0][1] is None:
+        return layout[0][0].read(())  # one piece is the whole tensor: a view of the memory-mapped file, no copy
+    empty = pieces[0].read(tuple(slice(0, 0) for _ in full_shape))  # reads no data; tells the dtype
+    full = torch.empty(full_shape, dtype=empty.dtype)
+    copy_slice(full, pieces, None, what)
+    return full

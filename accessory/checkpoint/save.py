@@ -50,6 +50,7 @@ def atomic_folder(dst: Path) -> Iterator[Path]:
 
     `dst` must not exist: it is refused before anything is written, and if it appears meanwhile it is left alone.
     """
+    dst = Path(dst)
     if dst.exists():
         raise CheckpointError(f"{dst} already exists; choose a new output folder (inputs are never overwritten)")
     dst.parent.mkdir(parents=True, exist_ok=True)

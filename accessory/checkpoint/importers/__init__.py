@@ -1,5 +1,6 @@
-"""Importers: read a foreign checkpoint (an HF `LlamaForCausalLM` folder, a llama.cpp GGUF file) into our canonical
-in-memory form, an `ImportedModel`.
+"""Importers: read a checkpoint (an HF `LlamaForCausalLM` folder, a llama.cpp GGUF file, accessory or Meta shards, a
+torch.distributed.checkpoint folder) into our canonical in-memory form, an `ImportedModel`; `hf.write_hf` writes
+that form back out as an HF folder.
 
 Canonical form: Meta's LLaMA parameter names without prefix (`tok_embeddings.weight`,
 `layers.{i}.attention.wq.weight`, ..., `norm.weight`, `output.weight`), full (unsharded) tensors, q/k in Meta's
@@ -23,6 +24,7 @@ class ImportedModel:
     state_dict: dict[str, torch.Tensor]  # canonical names, full (unsharded) tensors
     config: dict  # ModelArgs keys only
     tokenizer_files: list[Path] = field(default_factory=list)  # files to copy beside the weights
+    llama_type: str = "llama"
 
 
 def expand_templates(table: dict[str, str], n_layers: int) -> dict[str, str]:
@@ -100,6 +102,9 @@ def _clip(items: list, limit: int = 8) -> str:
 
 # Re-exported below the shared helpers, which the format modules import from here.
 from accessory.checkpoint.importers.gguf import read_gguf  # noqa: E402
-from accessory.checkpoint.importers.hf import hf_to_meta_qk, meta_to_hf_qk, read_hf  # noqa: E402
+from accessory.checkpoint.importers.hf import hf_to_meta_qk, meta_to_hf_qk, read_hf, write_hf  # noqa: E402
+from accessory.checkpoint.importers.shards import read_sharded  # noqa: E402
+from accessory.checkpoint.importers.dcp import read_dcp  # noqa: E402
 
-__all__ = ["ImportedModel", "read_gguf", "read_hf", "hf_to_meta_qk", "meta_to_hf_qk"]
+__all__ = ["ImportedModel", "read_gguf", "read_hf", "write_hf", "read_sharded", "read_dcp", "hf_to_meta_qk",
+           "meta_to_hf_qk"]

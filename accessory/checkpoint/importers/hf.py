@@ -1,19 +1,27 @@
-"""Hugging Face `LlamaForCausalLM` folders -> canonical form (and the q/k permutation pair an exporter reuses).
+"""Hugging Face `LlamaForCausalLM` folders <-> canonical form: `read_hf` imports, `write_hf` exports.
 
-HF's q_proj / k_proj rows are in the rotate-half RoPE layout; Meta's (ours) interleave each head's rotary pairs.
-HF's convert script applies `meta_to_hf_qk` below; we apply its inverse on import.
+Both directions use one name table (`HF_TO_META`, read forwards or backwards), one config mapping pair
+(`config_from_hf` / `config_to_hf`) and the q/k permutation pair: HF's q_proj / k_proj rows are in the rotate-half
+RoPE layout, Meta's (ours) interleave each head's rotary pairs. HF's convert script applies `meta_to_hf_qk`; we
+apply its inverse on import and it on export.
 """
 from __future__ import annotations
 
+import json
+import logging
+import shutil
 from pathlib import Path
 from typing import Optional
 
 import torch
+from tqdm import tqdm
 
 from accessory.checkpoint.importers import (ImportedModel, check_shapes, expand_templates, rename_strict,
                                             validated_args)
 from accessory.errors import CheckpointError, ConfigError
 from accessory.jsonfile import read_json_object
+
+log = logging.getLogger(__name__)
 
 # HF name -> canonical name; `{i}` is the layer index.
 HF_TO_META = {
@@ -213,3 +221,168 @@ def _read_json(path: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path}: not found; an HF LlamaForCausalLM folder needs it")
     return read_json_object(path, CheckpointError)
+
+
+# ---- export ------------------------------------------------------------------------------------------------------
+
+# Meta's LLaMA-3.1 llama3 rope-scaling constants, for a config that says only `use_scaled_rope` (or no more than the
+# factor): HF's LlamaConfig needs every key spelled out.
+_LLAMA3_DEFAULTS = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def config_to_hf(config: dict, dtype: torch.dtype, bos_id: Optional[int] = None, eos_id: Optional[int] = None,
+                 source: str = "config") -> dict:
+    """Our config dict -> an HF LlamaConfig dict; `config_from_hf` of it gives the same model back."""
+    args = validated_args(config, source)
+    if args.vocab_size <= 0:
+        raise ConfigError(f"{source}: vocab_size {args.vocab_size} must be resolved (from the tokenizer) first")
+    hf = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": args.dim, "intermediate_size": args.ffn_hidden_dim, "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
+        "rope_scaling": _rope_to_hf(args), "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_word_embeddings, "attention_bias": False, "mlp_bias": False,
+        "torch_dtype": DTYPE_NAMES[dtype],
+    }
+    hf.update({k: v for k, v in (("bos_token_id", bos_id), ("eos_token_id", eos_id)) if v is not None})
+    return hf
+
+
+def _rope_to_hf(args) -> Optional[dict]:
+    """Our rope_scaling (None, LLaMA2-Accessory's float, a dict, or Meta's use_scaled_rope) in HF's form."""
+    scaling = args.rope_scaling
+    if scaling is None and args.use_scaled_rope:
+        scaling = {"rope_type": "llama3"}
+    if scaling is None:
+        return None
+    if isinstance(scaling, (int, float)):
+        return {"rope_type": "linear", "factor": float(scaling)}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in _ROPE_KEYS:
+        raise ConfigError(f"rope_scaling {scaling}: type {kind!r} has no HF form here; expected {sorted(_ROPE_KEYS)}")
+    defaults = _LLAMA3_DEFAULTS if kind == "llama3" else {}
+    return {"rope_type": kind, **{k: scaling.get(k, defaults.get(k)) for k in _ROPE_KEYS[kind]}}
+
+
+def hf_state_dict(state_dict: dict[str, torch.Tensor], args, source: str) -> dict[str, torch.Tensor]:
+    """Canonical tensors -> HF names, q/k permuted to rotate-half; the inverse of `read_hf`'s renaming."""
+    to_hf = {ours: theirs for theirs, ours in expand_templates(HF_TO_META, args.n_layers).items()}
+    out = rename_strict(state_dict, to_hf, source, optional=frozenset({"lm_head.weight"}))
+    check_shapes(state_dict, args, source)
+    if args.tie_word_embeddings:
+        out.pop("lm_head.weight", None)  # HF ties it to embed_tokens when loading
+    elif "lm_head.weight" not in out:
+        raise CheckpointError(f"{source}: missing output.weight, and tie_word_embeddings is false")
+    for i in range(args.n_layers):
+        q, k = f"model.layers.{i}.self_attn.q_proj.weight", f"model.layers.{i}.self_attn.k_proj.weight"
+        out[q], out[k] = meta_to_hf_qk(out[q], args.n_heads), meta_to_hf_qk(out[k], args.n_kv_heads)
+    return out
+
+
+def write_hf(model: ImportedModel, dst, dtype: Optional[torch.dtype] = None, max_shard_bytes: int = 5 << 30,
+             source: str = "checkpoint to export") -> Path:
+    """Write a canonical model as a new HF folder that transformers loads with `LlamaForCausalLM.from_pretrained`
+    and `AutoTokenizer.from_pretrained`: model.safetensors (sharded with an index past `max_shard_bytes`),
+    config.json, generation_config.json and the tokenizer. Atomic; an existing `dst` is refused."""
+    from accessory.checkpoint.save import atomic_folder
+
+    if model.llama_type != "llama":
+        raise CheckpointError(f"{source}: llama_type {model.llama_type!r} has no HF LlamaForCausalLM form; only "
+                              f"'llama' does")
+    args = validated_args(model.config, source=f"config of {source}")
+    dtype = dtype or next(iter(model.state_dict.values())).dtype
+    weights = hf_state_dict(model.state_dict, args, source)
+    with atomic_folder(dst) as tmp:
+        tokenizer = _write_tokenizer(model.tokenizer_files, tmp)
+        bos, eos = (tokenizer.bos_id, tokenizer.eos_id) if tokenizer else (None, None)
+        config = config_to_hf(model.config, dtype, bos, eos, source=f"config of {source}")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if tokenizer and not (tmp / "generation_config.json").is_file():
+            generation = {k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos)) if v is not None}
+            (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        _write_safetensors(weights, tmp, dtype, max_shard_bytes, Path(dst).name)
+    return Path(dst)
+
+
+def _write_safetensors(weights: dict[str, torch.Tensor], folder: Path, dtype: torch.dtype, max_bytes: int,
+                       name: str) -> None:
+    from safetensors.torch import save_file
+
+    groups, size = [[]], 0
+    for name, w in weights.items():  # fill each file up to max_bytes, in the table's order
+        nbytes = w.numel() * dtype.itemsize
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    names = (["model.safetensors"] if len(groups) == 1 else
+             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    for file, group in tqdm(list(zip(names, groups)), desc=f"writing {name}", unit="file", leave=False):
+        # clone: safetensors refuses tensors that share storage, which views of one memory-mapped file may do
+        save_file({n: weights[n].to(dtype).contiguous().clone() for n in group}, str(folder / file),
+                  metadata={"format": "pt"})  # transformers refuses safetensors without this metadata
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": sum(w.numel() * dtype.itemsize for w in weights.values())},
+                 "weight_map": {n: file for file, group in zip(names, groups) for n in group}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write_tokenizer(files: list[Path], folder: Path):
+    """Copy the tokenizer and its side files, and add what transformers needs to load it: a tokenizer_config.json
+    if there is none, and for a SentencePiece tokenizer.model alone a tokenizer.json (transformers 5 reads a
+    tokenizer.model only with protobuf installed). The tokenizer as our runtime reads it, or None (with a warning)
+    when the model has none."""
+    from accessory.model.tokenizer import Tokenizer, find_tokenizer
+
+    for path in files:
+        shutil.copyfile(path, folder / Path(path).name)
+    path = find_tokenizer([folder])
+    if path is None:
+        log.warning("no tokenizer.model / tokenizer.json to export: %s gets weights and config only", folder)
+        return None
+    tokenizer = Tokenizer.from_path(path)
+    special = _special_tokens(tokenizer, path)
+    if not (folder / "tokenizer_config.json").is_file():
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, **special}
+        if path.suffix == ".model":  # LLaMA's: BOS always, never EOS, as our runtime and Meta's code encode
+            config.update(tokenizer_class="LlamaTokenizer", add_bos_token=tokenizer.bos_id is not None,
+                          add_eos_token=False)
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if path.suffix == ".model":
+        _sentencepiece_to_json(path, folder / "tokenizer.json", special)
+    return tokenizer
+
+
+def _special_tokens(tokenizer, path: Path) -> dict:
+    """bos_token / eos_token (and unk_token) by text, as tokenizer_config.json names them."""
+    if path.suffix == ".model":
+        import sentencepiece
+
+        sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        token, unk = sp.id_to_piece, sp.unk_id()
+    else:
+        import tokenizers
+
+        token, unk = tokenizers.Tokenizer.from_file(str(path)).id_to_token, -1
+    ids = {"bos_token": tokenizer.bos_id, "eos_token": tokenizer.eos_id, "unk_token": unk if unk >= 0 else None}
+    return {name: token(i) for name, i in ids.items() if i is not None}
+
+
+def _sentencepiece_to_json(model: Path, target: Path, special: dict) -> None:
+    """tokenizer.json for a LLaMA SentencePiece BPE model, built the way transformers builds it from the model
+    (vocab in id order, merges ranked by piece score), so that AutoTokenizer loads the folder without protobuf.
+    As with any HF LLaMA tokenizer, runs of leading spaces may split differently from SentencePiece itself."""
+    import sentencepiece
+    from transformers import LlamaTokenizer
+    from transformers.tokenization_utils_base import generate_merges
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(model))
+    vocab = {sp.id_to_piece(i): i for i in range(sp.vocab_size())}
+    scores = {sp.id_to_piece(i): sp.get_score(i) for i in range(sp.vocab_size())}
+    hf = LlamaTokenizer(vocab=vocab, merges=generate_merges(vocab, scores), add_bos_token="bos_token" in special,
+                        add_eos_token=False, **special)
+    hf.backend_tokenizer.save(str(target))

@@ -1,0 +1,65 @@
+"""Accessory or Meta shard folders (any shard count) -> canonical form, every tensor assembled whole.
+
+What a folder should hold is asked of the model itself: its llama_type's Transformer, built on the meta device at
+one rank, names every checkpoint key and its full shape; the shards are then assembled with the loader's own
+layout rule (load.py), so what is read here is exactly what `from_pretrained` would load.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from tqdm import tqdm
+
+from accessory.checkpoint.config import read_spec
+from accessory.checkpoint.importers import ImportedModel
+from accessory.checkpoint.load import assemble, key_mismatch, open_checkpoint
+from accessory.errors import CheckpointError, ConfigError
+from accessory.model.tokenizer import Tokenizer, find_tokenizer
+
+
+def model_layout(llama_type: str, config: dict, source: str) -> dict[str, tuple[int, ...]]:
+    """Checkpoint key -> full tensor shape, for the tensors a model of this llama_type and config loads."""
+    from accessory.model.LLM import model_classes
+    from accessory.parallel import ParallelContext
+
+    model_args, transformer = model_classes(llama_type, source=source)
+    args = model_args.from_dict(config, source=source)
+    with torch.device("meta"):
+        model = transformer(args, ParallelContext(None, 0, 1, 0))
+    return {model.checkpoint_key(name): tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def resolved_config(config: dict, tokenizer: Optional[Tokenizer], source: str) -> dict:
+    """The config with vocab_size -1 (Meta's LLaMA-2 params.json) taken from the tokenizer, as loading does."""
+    if config.get("vocab_size", -1) > 0:
+        return dict(config)
+    if tokenizer is None:
+        raise ConfigError(f"{source}: vocab_size is {config.get('vocab_size', -1)} (taken from the tokenizer) but "
+                          f"there is no tokenizer.model / tokenizer.json; pass one (--tokenizer_path)")
+    return {**config, "vocab_size": tokenizer.n_words}
+
+
+def find_tokenizer_for(folders: Sequence[Path], tokenizer_path=None) -> Optional[Tokenizer]:
+    path = tokenizer_path or find_tokenizer(list(folders))
+    return Tokenizer.from_path(path) if path is not None else None
+
+
+def read_sharded(folder, llama_type: Optional[str] = None, llama_config: Sequence[str] = (),
+                 tokenizer_path=None) -> ImportedModel:
+    """Every tensor of an accessory (consolidated.NN-of-MM.model.*) or Meta (consolidated.NN.pth + params.json)
+    folder, merged from its shards; the config from its meta.json / params.json / config.json (then
+    `llama_config`), and its tokenizer files. CheckpointError naming the file and key on any mismatch."""
+    folder = Path(folder)
+    spec = read_spec([folder], llama_type, llama_config)
+    tokenizer = find_tokenizer_for([folder], tokenizer_path)
+    config = resolved_config(spec.config, tokenizer, str(folder))
+    shapes = model_layout(spec.llama_type, config, f"config of {folder}")
+    sources = open_checkpoint([folder])
+    problem = key_mismatch(sources.keys(), shapes.keys())
+    if problem:
+        raise CheckpointError(f"{folder}: {problem}")
+    state_dict = {key: assemble(sources[key][0], list(shape), f"{folder}: tensor {key!r}")
+                  for key, shape in tqdm(shapes.items(), desc=f"reading {folder.name}", unit="tensor")}
+    return ImportedModel(state_dict, config, tokenizer.files if tokenizer else [], spec.llama_type)

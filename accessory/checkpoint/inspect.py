@@ -1,0 +1,251 @@
+"""`accessory inspect PATH`: what a checkpoint is, and whether every shard of it would load.
+
+Facts: format, shard files, dtypes, parameter count, llama_type, config, tokenizer. Checks, all collected rather
+than stopping at the first: every shard readable, the same tensors in every shard, each tensor's pieces assembling
+into the model's shape along one split dimension (the loader's own rule, load.py `split_dim`), and no tensor
+missing or unexpected for the llama_type and config. A problem is one line naming the file, key and expectation.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from accessory.errors import AccessoryError, CheckpointError
+
+HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                   "pytorch_model.bin.index.json")
+FORMAT_NAMES = {"accessory": "accessory (LLaMA2-Accessory shards)", "meta": "meta (Meta's original release)",
+                "hf": "hf (Hugging Face LlamaForCausalLM)", "gguf": "gguf (llama.cpp)",
+                "dcp": "dcp (torch.distributed.checkpoint)"}
+
+
+@dataclass
+class Report:
+    path: str
+    format: Optional[str] = None
+    files: list[str] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
+    parameters: Optional[int] = None
+    llama_type: Optional[str] = None
+    config: dict = field(default_factory=dict)
+    tokenizer: Optional[dict] = None
+    problems: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "shards": len(self.files), "healthy": not self.problems}
+
+
+def inspect_checkpoint(path: Path) -> Report:
+    """A Report on `path`; never raises for a bad checkpoint (its problems are in `Report.problems`)."""
+    path = Path(path)
+    report = Report(str(path))
+    if not path.exists():
+        report.problems.append(f"{path}: does not exist")
+    elif path.is_file():
+        _guarded(report, _inspect_gguf if path.suffix == ".gguf" else _not_a_checkpoint, path)
+    elif (path / ".metadata").is_file():
+        _guarded(report, _inspect_dcp, path)
+    elif any((path / name).is_file() for name in HF_WEIGHT_FILES):
+        _guarded(report, _inspect_hf, path)
+    else:
+        _guarded(report, _inspect_shards, path)
+    return report
+
+
+def _guarded(report: Report, step, *args) -> None:
+    try:
+        step(report, *args)
+    except AccessoryError as e:  # bad input stops this step; what was found so far is still reported
+        report.problems.append(str(e))
+
+
+def _not_a_checkpoint(report: Report, path: Path) -> None:
+    report.problems.append(f"{path}: a file, but not a .gguf one; expected a checkpoint folder or a .gguf file")
+
+
+# ---- accessory / Meta shard folders ----------------------------------------------------------------------------
+
+def _inspect_shards(report: Report, folder: Path) -> None:
+    from accessory.checkpoint.formats import find_shards, read_shard
+
+    shards = find_shards(folder)
+    report.format, report.files = shards.kind, [p.name for p in shards.files]
+    opened = {}
+    for path in shards.files:
+        try:
+            opened[path] = read_shard(path, shards.kind)
+        except AccessoryError as e:
+            report.problems.append(str(e))
+    _check_same_keys(report, opened)
+    shapes = _describe_model(report, [folder])
+    if shapes is None or len(opened) != len(shards.files):
+        return  # without the model's shapes, or with a shard unreadable, assembling cannot be checked
+    _check_pieces(report, folder, list(opened.values()), shapes)
+
+
+def _check_same_keys(report: Report, opened: dict) -> None:
+    from accessory.checkpoint.load import _listing
+
+    if not opened:
+        return
+    first_path, first = next(iter(opened.items()))
+    for path, tensors in opened.items():
+        missing, extra = sorted(first.keys() - tensors.keys()), sorted(tensors.keys() - first.keys())
+        if missing or extra:
+            report.problems.append(f"{path}: holds other tensors than {first_path.name}: missing "
+                                   f"[{_listing(missing)}], extra [{_listing(extra)}]")
+
+
+def _check_pieces(report: Report, folder: Path, opened: list[dict], shapes: dict) -> None:
+    from accessory.checkpoint.load import key_mismatch, split_dim
+
+    found = set().union(*(t.keys() for t in opened))
+    if problem := key_mismatch(found, shapes.keys()):
+        report.problems.append(f"{folder}: {problem}")
+    dtypes = set()
+    for key, shape in shapes.items():
+        pieces = [t[key] for t in opened if key in t]
+        if len(pieces) != len(opened):
+            continue  # reported above as a missing key
+        dtypes |= {str(p.read(tuple(slice(0, 0) for _ in p.shape)).dtype).removeprefix("torch.") for p in pieces}
+        try:
+            split_dim(pieces, list(shape), f"{folder}: tensor {key!r}")
+        except AccessoryError as e:
+            report.problems.append(str(e))
+    report.dtypes = sorted(dtypes)
+    report.parameters = sum(math.prod(shape) for shape in shapes.values())
+
+
+def _describe_model(report: Report, folders: list[Path], tokenizer_path=None) -> Optional[dict]:
+    """Fill llama_type, config and tokenizer from the files beside the weights; the model's key -> full shape."""
+    from accessory.checkpoint.config import read_spec
+    from accessory.checkpoint.importers.shards import find_tokenizer_for, model_layout, resolved_config
+
+    tokenizer = None
+    try:
+        tokenizer = find_tokenizer_for(folders, tokenizer_path)
+        if tokenizer is None:
+            report.problems.append(f"{folders[-1]}: no tokenizer.model or tokenizer.json beside the weights")
+        else:
+            report.tokenizer = _tokenizer_facts(tokenizer)
+    except AccessoryError as e:  # an unreadable tokenizer file
+        report.problems.append(str(e))
+    try:
+        spec = read_spec(folders)
+        report.llama_type, report.config = spec.llama_type, dict(spec.config)
+        config = resolved_config(spec.config, tokenizer, str(folders[-1]))
+        shapes = model_layout(spec.llama_type, config, f"config of {folders[-1]}")
+    except AccessoryError as e:
+        report.problems.append(str(e))
+        return None
+    report.config = config
+    if tokenizer is not None and tokenizer.n_words > config["vocab_size"]:
+        report.problems.append(f"{folders[-1]}: tokenizer has {tokenizer.n_words} tokens but vocab_size is "
+                               f"{config['vocab_size']}")
+    return shapes
+
+
+def _tokenizer_facts(tokenizer) -> dict:
+    kind = "sentencepiece" if tokenizer.path.suffix == ".model" else "tokenizers (tokenizer.json)"
+    return {"file": tokenizer.path.name, "kind": kind, "vocab_size": tokenizer.n_words,
+            "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id, "chat_template": tokenizer.has_chat_template}
+
+
+# ---- HF, DCP, GGUF ---------------------------------------------------------------------------------------------
+
+def _inspect_hf(report: Report, folder: Path) -> None:
+    """An HF folder is checked by importing it (names, tied head, shapes against config.json)."""
+    from accessory.checkpoint.importers import read_hf
+
+    report.format = "hf"
+    report.files = sorted(p.name for p in folder.iterdir() if p.name.endswith((".safetensors", ".bin")))
+    imported = read_hf(folder)
+    _fill_from_import(report, imported, folder)
+
+
+def _inspect_dcp(report: Report, folder: Path) -> None:
+    """A DCP folder: every data file the metadata points into is there and long enough, and the tensors under
+    the model's prefix are exactly the model's, in its shapes."""
+    from accessory.checkpoint.importers.dcp import model_prefix, read_dcp_metadata, tensor_entries
+    from accessory.checkpoint.load import key_mismatch
+
+    report.format = "dcp"
+    metadata = read_dcp_metadata(folder)
+    report.files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+    for name in report.files:
+        ends = [i.offset + i.length for i in metadata.storage_data.values() if i.relative_path == name]
+        size = (folder / name).stat().st_size if (folder / name).is_file() else None
+        if size is None or size < max(ends):
+            report.problems.append(f"{folder / name}: {'missing' if size is None else f'{size} bytes'}; the "
+                                   f"metadata reads up to byte {max(ends)} of it (truncated?)")
+    entries = tensor_entries(metadata)
+    report.dtypes = sorted({str(m.properties.dtype).removeprefix("torch.") for m in entries.values()})
+    shapes = _describe_model(report, [folder])
+    if shapes is None:
+        return
+    prefix = model_prefix(entries.keys(), folder)
+    ours = {k[len(prefix):]: tuple(m.size) for k, m in entries.items() if k.startswith(prefix)}
+    if problem := key_mismatch(ours.keys(), shapes.keys()):
+        report.problems.append(f"{folder}: {problem}")
+    report.problems += [f"{folder}: tensor {prefix + k!r} has shape {ours[k]}, the model's is {s}"
+                        for k, s in shapes.items() if k in ours and ours[k] != s]
+    report.parameters = sum(math.prod(shape) for shape in shapes.values())
+
+
+def _inspect_gguf(report: Report, path: Path) -> None:
+    """A GGUF file is checked by importing it (metadata, names, shapes), which dequantizes every tensor."""
+    import tempfile
+
+    import gguf
+
+    from accessory.checkpoint.importers import read_gguf
+
+    report.format, report.files = "gguf", [path.name]
+    try:
+        stored = sorted({t.tensor_type.name for t in gguf.GGUFReader(path).tensors})
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"{path}: cannot read as GGUF: {e}") from e
+    with tempfile.TemporaryDirectory(prefix="accessory-inspect-") as work:
+        _fill_from_import(report, read_gguf(path, Path(work)), Path(work))
+    report.dtypes = stored  # the stored (quantized) types, not the dequantized float32
+
+
+def _fill_from_import(report: Report, imported, tokenizer_folder: Path) -> None:
+    from accessory.model.tokenizer import Tokenizer, find_tokenizer
+
+    report.llama_type, report.config = imported.llama_type, imported.config
+    report.dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in imported.state_dict.values()})
+    report.parameters = sum(t.numel() for t in imported.state_dict.values())
+    tokenizer = find_tokenizer([tokenizer_folder])
+    if tokenizer is None:
+        report.problems.append(f"{tokenizer_folder}: no tokenizer.model or tokenizer.json")
+    else:
+        report.tokenizer = _tokenizer_facts(Tokenizer.from_path(tokenizer))
+
+
+# ---- text ------------------------------------------------------------------------------------------------------
+
+def format_report(report: Report) -> str:
+    lines = [f"path:        {report.path}",
+             f"format:      {FORMAT_NAMES.get(report.format, report.format or 'unknown')}",
+             f"shards:      {len(report.files)}" + (f" ({', '.join(report.files)})" if report.files else ""),
+             f"dtype:       {', '.join(report.dtypes) or 'unknown'}",
+             f"parameters:  {report.parameters:,}" if report.parameters is not None else "parameters:  unknown",
+             f"llama_type:  {report.llama_type or 'unknown'}"]
+    if report.tokenizer:
+        t = report.tokenizer
+        lines.append(f"tokenizer:   {t['file']} ({t['kind']}), {t['vocab_size']} tokens, bos {t['bos_id']}, "
+                     f"eos {t['eos_id']}, chat template: {'yes' if t['chat_template'] else 'no'}")
+    else:
+        lines.append("tokenizer:   none found")
+    lines.append("config:")
+    lines += [f"  {k}: {v}" for k, v in report.config.items()]
+    if report.problems:
+        lines.append(f"PROBLEMS ({len(report.problems)}):")
+        lines += [f"  - {p}" for p in report.problems]
+    else:
+        lines.append("integrity:   OK (every shard readable, shapes consistent, no missing or unexpected keys)")
+    return "\n".join(lines)

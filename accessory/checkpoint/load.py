@@ -169,7 +169,6 @@ def assemble(pieces: list[Piece], full_shape: list[int], what: str) -> torch.Ten
     layout = _layout(pieces, list(full_shape), what)
     if layout[0][1] is None:
         return layout[0][0].read(())  # one piece is the whole tensor: a view of the memory-mapped file, no copy
-    empty = pieces[0].read(tuple(slice(0, 0) for _ in full_shape))  # reads no data; tells the dtype
-    full = torch.empty(full_shape, dtype=empty.dtype)
+    full = torch.empty(full_shape, dtype=pieces[0].dtype)
     copy_slice(full, pieces, None, what)
     return full

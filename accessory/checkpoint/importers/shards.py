@@ -60,6 +60,6 @@ def read_sharded(folder, llama_type: Optional[str] = None, llama_config: Sequenc
     problem = key_mismatch(sources.keys(), shapes.keys())
     if problem:
         raise CheckpointError(f"{folder}: {problem}")
-    state_dict = {key: assemble(sources[key][0], list(shape), f"{folder}: tensor {key!r}")
+    state_dict = {key: assemble(sources[key][0].pieces, list(shape), f"{folder}: tensor {key!r}")
                   for key, shape in tqdm(shapes.items(), desc=f"reading {folder.name}", unit="tensor")}
     return ImportedModel(state_dict, config, tokenizer.files if tokenizer else [], spec.llama_type)

@@ -37,12 +37,13 @@ def peft_state_dict(base: dict, biases: bool, seed: int = 1) -> dict[str, torch.
     norms, and biases (zero, or random when `biases`)."""
     g = torch.Generator().manual_seed(seed)
     sd = {k: (v * (1 + 0.05 * torch.randn(v.shape, generator=g)) if "norm" in k else v) for k, v in base.items()}
-    for i in range(CONFIG["n_layers"]):
-        for linear in LINEARS:
-            out, inp = base[f"layers.{i}.{linear}.weight"].shape
-            sd[f"layers.{i}.{linear}.lora_a.weight"] = torch.randn(RANK, inp, generator=g) / inp ** 0.5
-            sd[f"layers.{i}.{linear}.lora_b.weight"] = 0.5 * torch.randn(out, RANK, generator=g) / RANK ** 0.5
-            sd[f"layers.{i}.{linear}.bias"] = 0.1 * torch.randn(out, generator=g) if biases else torch.zeros(out)
+    for key, weight in base.items():
+        name = key.removesuffix(".weight")  # layers.N.attention.wq
+        if name.split(".", 2)[-1] in LINEARS:
+            out, inp = weight.shape
+            sd[name + ".lora_a.weight"] = torch.randn(RANK, inp, generator=g) / inp ** 0.5
+            sd[name + ".lora_b.weight"] = 0.5 * torch.randn(out, RANK, generator=g) / RANK ** 0.5
+            sd[name + ".bias"] = 0.1 * torch.randn(out, generator=g) if biases else torch.zeros(out)
     return sd
 
 
@@ -71,6 +72,10 @@ def ckpt(tmp_path_factory, llama_tokenizer) -> dict:
         full = save_checkpoint(root / f"full-{name}", sd, PEFT_CONFIG, 2, tokenizer, llama_type="llama_peft")
         out[name + "_sd"], out["full_" + name] = sd, full
         out[name] = trainable_only(full, root / f"trainable-{name}")
+    # GQA (2 KV heads, replicated at 4 ranks) with tied embeddings, as one complete llama_peft folder
+    gqa = TINY_CONFIGS["gqa"]
+    out["gqa"] = save_checkpoint(root / "gqa", peft_state_dict(tiny_state_dict(gqa), biases=False),
+                                 dict(gqa, lora_rank=RANK), 1, tokenizer, llama_type="llama_peft")
     return out
 
 
@@ -155,13 +160,13 @@ def reference_logits(sd: dict, tokens: torch.Tensor) -> torch.Tensor:
     return rms(h, "norm.weight") @ sd["output.weight"].T
 
 
-def run_models(folder_lists: dict) -> dict:
+def run_models(folder_lists: dict, dtype: torch.dtype = torch.float32) -> dict:
     """On one rank: logits of TOKENS and greedy tokens for each named list of stacked folders."""
     from accessory.model.meta import MetaModel
 
     results = {}
     for name, folders in folder_lists.items():
-        model = MetaModel.from_pretrained(folders, max_seq_len=64)
+        model = MetaModel.from_pretrained(folders, max_seq_len=64, dtype=dtype)
         results[name] = (model.llma(TOKENS), greedy_ids(model, TOKENS.tolist(), GEN_STEPS), model.llama_type)
     return results
 
@@ -175,12 +180,20 @@ def merged(ckpt) -> Path:
 
 @pytest.fixture(scope="module")
 def results(ckpt, merged) -> dict:
-    """{world: [per-rank results]}: the stacked PEFT folders at 2 and 3 ranks (3 splits FFN 100 unevenly), and
-    the merged plain checkpoint and the base at 1 rank."""
+    """{world: [per-rank results]}: the stacked PEFT folders at 2 and 3 ranks (3 splits FFN 100 unevenly), the GQA
+    one at 4 ranks, and at 1 rank all of these, the merged plain checkpoints and the base."""
+    from accessory.checkpoint.lora import merge_lora
+
     stacked = {name: [ckpt["base"], ckpt[name]] for name in ("zero_bias", "bias")}
-    out = {1: [run_models({"merged": [merged], "base": [ckpt["base"]], **stacked})]}
+    # GQA in float64: in float32 the merged and unmerged sums round differently by up to ~1.3e-5 on these logits
+    # (each is ~1e-5 from a float64 run); float64 weights leave only the float32 RMSNorm and RoPE (~3e-6).
+    gqa_merged = merge_lora(ckpt["gqa"], ckpt["root"] / "gqa-merged", dtype=torch.float64)
+    out = {1: [{**run_models({"merged": [merged], "base": [ckpt["base"]], **stacked}),
+                **run_models({"gqa_merged": [gqa_merged]}, torch.float64)}]}
     for world in (2, 3):
         out[world] = run_ranks(world, run_models, stacked)
+    out[4] = run_ranks(4, run_models, {"gqa": [ckpt["gqa"]]}, torch.float64)
+    for world in (2, 3, 4):
         for rank_result in out[world]:
             if isinstance(rank_result, Exception):
                 raise AssertionError(rank_result.rank_traceback)
@@ -194,6 +207,16 @@ def test_peft_at_n_ranks_equals_merged_plain_checkpoint_at_one(results, world):
     for rank, rank_results in enumerate(results[world]):
         logits, tokens, llama_type = rank_results["zero_bias"]
         assert llama_type == "llama_peft"
+        assert (logits - merged_logits).abs().max().item() < 1e-5, f"rank {rank}"
+        assert tokens == merged_tokens, f"rank {rank}"
+
+
+def test_gqa_peft_at_4_ranks_equals_merged_at_one(results):
+    """4 ranks > 2 KV heads: wk / wv, their biases and lora_b are replicated in pairs of ranks, as the weights are;
+    the output projection is tied to the embeddings (merge writes no output.weight)."""
+    merged_logits, merged_tokens, _ = results[1][0]["gqa_merged"]
+    for rank, rank_results in enumerate(results[4]):
+        logits, tokens, _ = rank_results["gqa"]
         assert (logits - merged_logits).abs().max().item() < 1e-5, f"rank {rank}"
         assert tokens == merged_tokens, f"rank {rank}"
 

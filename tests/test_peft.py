@@ -285,14 +285,17 @@ def test_merge_refuses_nonzero_biases_naming_them(ckpt, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_merge_refuses_existing_destination_and_plain_llama(ckpt, tmp_path):
+def test_merge_refuses_existing_destination_plain_llama_and_impossible_shard_count(ckpt, tmp_path):
     from accessory.checkpoint.lora import merge_lora
-    from accessory.errors import CheckpointError
+    from accessory.errors import CheckpointError, ConfigError
 
     with pytest.raises(CheckpointError, match="already exists"):
         merge_lora([ckpt["base"], ckpt["zero_bias"]], ckpt["zero_bias"])
     with pytest.raises(CheckpointError, match="llama_type is 'llama'; merge-lora takes a llama_peft"):
         merge_lora(ckpt["base"], tmp_path / "out")
+    with pytest.raises(ConfigError, match=r"cannot run this model at 5 model-parallel ranks: n_heads \(12\)"):
+        merge_lora([ckpt["base"], ckpt["zero_bias"]], tmp_path / "out", shards=5)  # refused before loading
+    assert not (tmp_path / "out").exists()
 
 
 def test_interrupted_merge_leaves_nothing_behind(ckpt, tmp_path, monkeypatch):

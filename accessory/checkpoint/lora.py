@@ -54,6 +54,10 @@ def merge_lora(src_folders: Union[PathLike, Sequence[PathLike]], dst: PathLike, 
                               f"after its base folder)")
     tokenizer = find_tokenizer(folders)
     config = _with_vocab_size(spec.config, tokenizer, folders)
+    plain_config = {k: v for k, v in config.items() if k not in PEFT_CONFIG_KEYS}
+    shards = shards or len(find_shards(folders[0]).files)
+    plain_args, _ = model_classes("llama")
+    plain_args.from_dict(plain_config, f"config of {folders[-1]}").check_parallel_size(shards)  # before loading
     sources = open_checkpoint(folders)
     if nonzero := _nonzero_biases(sources):
         raise CheckpointError(
@@ -61,10 +65,9 @@ def merge_lora(src_folders: Union[PathLike, Sequence[PathLike]], dst: PathLike, 
             f"{len(nonzero)} bias tensor(s) are non-zero: {_listing(nonzero)}. Load the checkpoint as llama_peft "
             f"instead (it runs under tensor parallelism as it is)")
     base_dtype = _dtype_of(sources, "tok_embeddings.weight")
+    del sources  # unmaps the files it read (loading maps them again)
     model = _load_peft(config, folders, base_dtype)
     state_dict = _merged_state_dict(model, dtype)
-    plain_config = {k: v for k, v in config.items() if k not in PEFT_CONFIG_KEYS}
-    shards = shards or len(find_shards(folders[0]).files)
     log.info("merging LoRA of %s into %s (%d shard(s))", [str(f) for f in folders], dst, shards)
     return save_checkpoint(dst, state_dict, plain_config, shards, _tokenizer_files(tokenizer), llama_type="llama",
                            dtype=dtype)

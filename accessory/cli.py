@@ -7,6 +7,7 @@
     accessory convert {accessory,meta,hf,gguf,dcp} SRC DST [--to {accessory,hf}] [--shards N] ...
     accessory inspect PATH [--json]
     accessory weights {apply,extract} --pretrained_path BASE --delta_path DELTA --output_path OUT [--shards N]
+    accessory weights merge-lora SRC [SRC ...] DST [--shards N]
     accessory reshard SRC DST --shards N
 """
 from __future__ import annotations
@@ -224,6 +225,13 @@ def _add_weights_verb(verbs):
     extract = operations.add_parser("extract", help="fine-tuned - base -> a delta (model-diff) folder")
     add_delta_args(extract, "the fine-tuned checkpoint folder (LLaMA2-Accessory's name for it in extract mode)")
     extract.set_defaults(handler=run_weight_operate, operate_type="extract")
+    merge = operations.add_parser("merge-lora", help="fold a llama_peft checkpoint's LoRA into a plain llama one")
+    merge.add_argument("src", nargs="+", help="the llama_peft checkpoint folder, or its base folder followed by the "
+                       "trainable-only folder(s), later ones overriding earlier ones")
+    merge.add_argument("dst", help="new plain llama checkpoint folder (must not exist)")
+    merge.add_argument("--shards", type=positive_int, help="shard count to save (default: the first source's)")
+    merge.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: the base weights' dtype")
+    merge.set_defaults(handler=run_merge_lora)
     return operations
 
 
@@ -248,6 +256,14 @@ def run_weight_operate(args) -> None:
     operate(Path(args.pretrained_path), Path(args.delta_path), Path(args.output_path), args.shards,
             DTYPES[args.dtype] if args.dtype else None)
     print(args.output_path)
+
+
+def run_merge_lora(args) -> None:
+    from accessory.checkpoint.lora import merge_lora
+    from accessory.model.meta import DTYPES
+
+    merge_lora(args.src, args.dst, args.shards, DTYPES[args.dtype] if args.dtype else None)
+    print(args.dst)
 
 
 def _add_reshard_verb(verbs) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -114,8 +114,19 @@ class CacheAt:
     end: int
 
 
+@dataclass(frozen=True)
+class Linears:
+    """The linear layer classes a block is built from: (in_features, out_features, ctx, ...) -> module. Plain
+    fairscale-style layers for llama; LoRA- and bias-capable ones for llama_peft (parallel/lora.py)."""
+    column: Callable[..., nn.Module] = ColumnParallelLinear
+    row: Callable[..., nn.Module] = RowParallelLinear
+
+
+PLAIN = Linears()
+
+
 class Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ctx: ParallelContext):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ctx: ParallelContext, linears: Linears = PLAIN):
         super().__init__()
         self.head_dim = dim // n_heads
         # KV heads are split across ranks when they are at least as many as the ranks; otherwise each rank holds a
@@ -123,10 +134,10 @@ class Attention(nn.Module):
         kv_parts = min(ctx.world_size, n_kv_heads)
         self.n_local_heads = n_heads // ctx.world_size
         self.n_local_kv_heads = n_kv_heads // kv_parts
-        self.wq = ColumnParallelLinear(dim, n_heads * self.head_dim, ctx)
-        self.wk = ColumnParallelLinear(dim, n_kv_heads * self.head_dim, ctx, parts=kv_parts)
-        self.wv = ColumnParallelLinear(dim, n_kv_heads * self.head_dim, ctx, parts=kv_parts)
-        self.wo = RowParallelLinear(n_heads * self.head_dim, dim, ctx)
+        self.wq = linears.column(dim, n_heads * self.head_dim, ctx)
+        self.wk = linears.column(dim, n_kv_heads * self.head_dim, ctx, parts=kv_parts)
+        self.wv = linears.column(dim, n_kv_heads * self.head_dim, ctx, parts=kv_parts)
+        self.wo = linears.row(n_heads * self.head_dim, dim, ctx)
         self.cache: Optional[KVCache] = None  # set by Transformer.setup_caches; used when forward is given `at`
 
     def forward(self, x: torch.Tensor, rotations: torch.Tensor, mask: Optional[torch.Tensor] = None,
@@ -158,11 +169,11 @@ def attention_mask(positions: Optional[torch.Tensor], end: int) -> Optional[torc
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x), hidden units split across ranks."""
 
-    def __init__(self, dim: int, hidden_dim: int, ctx: ParallelContext):
+    def __init__(self, dim: int, hidden_dim: int, ctx: ParallelContext, linears: Linears = PLAIN):
         super().__init__()
-        self.w1 = ColumnParallelLinear(dim, hidden_dim, ctx)
-        self.w2 = RowParallelLinear(hidden_dim, dim, ctx)
-        self.w3 = ColumnParallelLinear(dim, hidden_dim, ctx)
+        self.w1 = linears.column(dim, hidden_dim, ctx)
+        self.w2 = linears.row(hidden_dim, dim, ctx)
+        self.w3 = linears.column(dim, hidden_dim, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

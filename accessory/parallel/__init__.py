@@ -2,6 +2,8 @@
 from accessory.parallel.context import ParallelContext, init_distributed, shutdown_distributed
 from accessory.parallel.layers import (ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, Shard,
                                        global_shape, make_shard, shard_of)
+from accessory.parallel.lora import LoraColumnParallelLinear, LoraRowParallelLinear, ReplicatedLinear
 
 __all__ = ["ParallelContext", "init_distributed", "shutdown_distributed", "ColumnParallelLinear",
-           "RowParallelLinear", "ParallelEmbedding", "Shard", "make_shard", "shard_of", "global_shape"]
+           "RowParallelLinear", "ParallelEmbedding", "Shard", "make_shard", "shard_of", "global_shape",
+           "LoraColumnParallelLinear", "LoraRowParallelLinear", "ReplicatedLinear"]

@@ -61,7 +61,10 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.weight_shard.local_size, in_features), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        return self.gathered(F.linear(x, self.weight))
+
+    def gathered(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's outputs y (..., local) as the layer's output: all of them if gather_output, else as they are."""
         if self.gather_output:
             y = self.ctx.all_gather(y, dim=-1)[..., : self.out_features]
         return y

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from accessory.errors import ConfigError
-from accessory.model.components import (Attention, CacheAt, FeedForward, KVCache, RMSNorm, attention_mask,
-                                        rope_frequencies, rope_table)
+from accessory.model.components import (PLAIN, Attention, CacheAt, FeedForward, KVCache, Linears, RMSNorm,
+                                        attention_mask, rope_frequencies, rope_table)
 from accessory.parallel import ColumnParallelLinear, ParallelContext, ParallelEmbedding
 
 
@@ -112,10 +112,10 @@ class ModelArgs:
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, ctx: ParallelContext):
+    def __init__(self, args: ModelArgs, ctx: ParallelContext, linears: Linears = PLAIN):
         super().__init__()
-        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, ctx)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, ctx)
+        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, ctx, linears)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, ctx, linears)
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
@@ -133,10 +133,15 @@ class Transformer(nn.Module):
         args.check_parallel_size(ctx.world_size)
         self.args, self.ctx = args, ctx
         self.tok_embeddings = ParallelEmbedding(args.vocab_size, args.dim, ctx)
-        self.layers = nn.ModuleList(TransformerBlock(args, ctx) for _ in range(args.n_layers))
+        linears = self.block_linears(args)
+        self.layers = nn.ModuleList(TransformerBlock(args, ctx, linears) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = ColumnParallelLinear(args.dim, args.vocab_size, ctx, gather_output=True)
         self.rotations: Optional[torch.Tensor] = None  # (max_seq_len, head_dim / 2) complex, made by materialize
+
+    def block_linears(self, args: ModelArgs) -> Linears:
+        """The linear layers of the blocks' attention and feed-forward; a variant (llama_peft) overrides this."""
+        return PLAIN
 
     def checkpoint_key(self, param_name: str) -> str:
         """The checkpoint tensor a parameter is loaded from: tied embeddings load `output` from tok_embeddings."""

@@ -1,0 +1,134 @@
+"""merge-lora: fold a llama_peft checkpoint's LoRA factors into a plain llama checkpoint.
+
+    W' = W + B A        (B = lora_b (out, rank), A = lora_a (rank, in); LLaMA2-Accessory's LoRA has no scaling)
+
+computed in float32 and saved in the base weights' dtype (or `dtype`). Norms come from the checkpoint as loaded
+(a trainable-only folder stacked after its base overrides the base's). A plain llama has no biases, so a
+bias_tuning checkpoint merges only if all its biases are zero; otherwise it is refused, naming them (load it as
+llama_peft instead, which runs under tensor parallelism as it is).
+
+Peak memory: the whole model once, in the base dtype, plus one output shard while it is written.
+
+    python -m accessory.checkpoint.lora SRC... DST [--shards N] [--dtype fp32|bf16|fp16]
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from accessory.checkpoint.config import read_spec
+from accessory.checkpoint.formats import find_shards
+from accessory.checkpoint.load import _listing, load_weights, open_checkpoint
+from accessory.checkpoint.save import save_checkpoint
+from accessory.errors import CheckpointError, ConfigError
+from accessory.model.LLM import model_classes
+from accessory.model.tokenizer import SIDE_FILES, TOKENIZER_FILES, Tokenizer, find_tokenizer
+from accessory.parallel import LoraColumnParallelLinear, LoraRowParallelLinear, ParallelContext
+
+log = logging.getLogger(__name__)
+
+PEFT_CONFIG_KEYS = ("lora_rank", "bias_tuning", "norm_tuning")  # llama_peft's ModelArgs fields beyond llama's
+PEFT_TENSOR_SUFFIXES = (".bias", ".lora_a.weight", ".lora_b.weight")  # tensors a plain llama lacks
+LORA_LAYERS = (LoraColumnParallelLinear, LoraRowParallelLinear)
+PathLike = Union[str, Path]
+
+
+def merge_lora(src_folders: Union[PathLike, Sequence[PathLike]], dst: PathLike, shards: Optional[int] = None,
+               dtype: Optional[torch.dtype] = None) -> Path:
+    """Write the llama_peft checkpoint `src_folders` (a folder, or [base, trainable-only, ...] with later folders
+    overriding earlier ones) as a new plain llama checkpoint `dst` with `shards` shards (default: as many as the
+    first folder has), atomically, with config and tokenizer files. Returns `dst`."""
+    folders = [Path(p) for p in ([src_folders] if isinstance(src_folders, (str, Path)) else src_folders)]
+    dst = Path(dst)
+    if dst.exists():  # save_checkpoint refuses too; checked here before minutes of loading
+        raise CheckpointError(f"{dst} already exists; choose a new output folder (inputs are never overwritten)")
+    spec = read_spec(folders)
+    if spec.llama_type != "llama_peft":
+        raise CheckpointError(f"{folders[-1]}: llama_type is {spec.llama_type!r}; merge-lora takes a llama_peft "
+                              f"checkpoint (meta.json llama_type \"llama_peft\"; a trainable-only folder is given "
+                              f"after its base folder)")
+    tokenizer = find_tokenizer(folders)
+    config = _with_vocab_size(spec.config, tokenizer, folders)
+    plain_config = {k: v for k, v in config.items() if k not in PEFT_CONFIG_KEYS}
+    shards = shards or len(find_shards(folders[0]).files)
+    plain_args, _ = model_classes("llama")
+    plain_args.from_dict(plain_config, f"config of {folders[-1]}").check_parallel_size(shards)  # before loading
+    sources = open_checkpoint(folders)
+    if nonzero := _nonzero_biases(sources):
+        raise CheckpointError(
+            f"{', '.join(map(str, folders))}: cannot merge into a plain llama, which has no biases: "
+            f"{len(nonzero)} bias tensor(s) are non-zero: {_listing(nonzero)}. Load the checkpoint as llama_peft "
+            f"instead (it runs under tensor parallelism as it is)")
+    base_dtype = _dtype_of(sources, "tok_embeddings.weight")
+    del sources  # unmaps the files it read (loading maps them again)
+    model = _load_peft(config, folders, base_dtype)
+    state_dict = _merged_state_dict(model, dtype)
+    log.info("merging LoRA of %s into %s (%d shard(s))", [str(f) for f in folders], dst, shards)
+    return save_checkpoint(dst, state_dict, plain_config, shards, _tokenizer_files(tokenizer), llama_type="llama",
+                           dtype=dtype)
+
+
+def _with_vocab_size(config: dict, tokenizer: Optional[Path], folders: list[Path]) -> dict:
+    # As from_pretrained does: a vocab_size of -1 (Meta's params.json) means the tokenizer's.
+    if config.get("vocab_size", -1) > 0:
+        return dict(config)
+    if tokenizer is None:
+        raise ConfigError(f"{[str(f) for f in folders]}: the config's vocab_size is -1 (the tokenizer's) and there "
+                          f"is no tokenizer.model or tokenizer.json")
+    return {**config, "vocab_size": Tokenizer.from_path(tokenizer).n_words}
+
+
+def _nonzero_biases(sources: dict) -> list[str]:
+    """Names of the `.bias` tensors with a non-zero element in any shard (read before the model is loaded)."""
+    return sorted(key for key, (pieces, _) in sources.items()
+                  if key.endswith(".bias") and any(piece.read((slice(None),)).any() for piece in pieces))
+
+
+def _dtype_of(sources: dict, key: str) -> torch.dtype:
+    if key not in sources:
+        raise CheckpointError(f"checkpoint lacks {key!r}: is the base folder missing from the list?")
+    piece = sources[key][0][0]
+    return piece.read((slice(0, 1),)).dtype  # one row: the files are memory-mapped
+
+
+def _load_peft(config: dict, folders: list[Path], dtype: torch.dtype) -> nn.Module:
+    """The llama_peft model at one rank on the CPU: weights in `dtype`, LoRA factors in float32 (they may have
+    been saved in float32 beside a bf16 base; rounding them before the product would lose that)."""
+    model_args, transformer = model_classes("llama_peft")
+    args = model_args.from_dict(config, source=f"config of {folders[-1]}")
+    with torch.device("meta"):
+        model = transformer(args, ParallelContext(None, 0, 1, 0)).to(dtype)
+    for layer in _lora_layers(model):
+        layer.lora_a.float(), layer.lora_b.float()
+    model.to_empty(device="cpu")
+    load_weights(model, folders)
+    return model
+
+
+def _lora_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, LORA_LAYERS) and m.lora_a is not None]
+
+
+@torch.no_grad()
+def _merged_state_dict(model: nn.Module, dtype: Optional[torch.dtype]) -> dict[str, torch.Tensor]:
+    """The plain llama tensors of the loaded llama_peft `model`, each LoRA'd weight replaced by W + B A."""
+    for layer in _lora_layers(model):
+        merged = layer.weight.float() + layer.lora_b.weight @ layer.lora_a.weight  # (out, rank) @ (rank, in)
+        layer.weight.data = merged.to(dtype or layer.weight.dtype)  # replaces W's storage: one copy in memory
+    # What a plain llama holds: everything but the biases and LoRA factors (save_checkpoint checks the key set).
+    return {name: p.data for name, p in model.named_parameters()
+            if model.checkpoint_key(name) == name and not name.endswith(PEFT_TENSOR_SUFFIXES)}
+
+
+def _tokenizer_files(tokenizer: Optional[Path]) -> list[Path]:
+    """The tokenizer file and the files that belong with it (template, special tokens), from its folder."""
+    if tokenizer is None:
+        return []
+    return [tokenizer.parent / name for name in TOKENIZER_FILES + SIDE_FILES if (tokenizer.parent / name).is_file()]
+
+
+# ---- command line (the `accessory weights merge-lora` verb) ------------------------------------------------------

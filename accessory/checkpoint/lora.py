@@ -84,15 +84,14 @@ def _with_vocab_size(config: dict, tokenizer: Optional[Path], folders: list[Path
 
 def _nonzero_biases(sources: dict) -> list[str]:
     """Names of the `.bias` tensors with a non-zero element in any shard (read before the model is loaded)."""
-    return sorted(key for key, (pieces, _) in sources.items()
-                  if key.endswith(".bias") and any(piece.read((slice(None),)).any() for piece in pieces))
+    return sorted(key for key, terms in sources.items() if key.endswith(".bias")
+                  and any(piece.read((slice(None),)).any() for term in terms for piece in term.pieces))
 
 
 def _dtype_of(sources: dict, key: str) -> torch.dtype:
     if key not in sources:
         raise CheckpointError(f"checkpoint lacks {key!r}: is the base folder missing from the list?")
-    piece = sources[key][0][0]
-    return piece.read((slice(0, 1),)).dtype  # one row: the files are memory-mapped
+    return sources[key][0].pieces[0].dtype
 
 
 def _load_peft(config: dict, folders: list[Path], dtype: torch.dtype) -> nn.Module:
@@ -130,5 +129,3 @@ def _tokenizer_files(tokenizer: Optional[Path]) -> list[Path]:
         return []
     return [tokenizer.parent / name for name in TOKENIZER_FILES + SIDE_FILES if (tokenizer.parent / name).is_file()]
 
-
-# ---- command line (the `accessory weights merge-lora` verb) ------------------------------------------------------

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from tiny import greedy_ids
+from tiny import forward_batch_sizes, greedy_ids
 
 PROMPTS = ["Hi", "The quick brown fox", "Tensor parallel inference is a way to", "Once upon a time there was",
            "Hello there"]
@@ -66,9 +66,7 @@ def test_a_request_arriving_mid_decode_joins_the_running_batch(model):
 
 
 def test_a_finished_row_is_refilled_at_once(model):
-    sizes = []
-    handle = model.llma.register_forward_pre_hook(lambda m, args, kwargs: sizes.append(args[0].shape[0]),
-                                                  with_kwargs=True)
+    sizes, handle = forward_batch_sizes(model)
     model.max_batch_size = 2
     try:
         texts = model.generate(PROMPTS, max_gen_len=6)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from tiny import greedy_ids
+from tiny import forward_batch_sizes, greedy_ids
 
 PROMPTS = ["Hi", "The quick brown fox", "Tensor parallel inference is a way to", "Once upon a time there was",
            "1 2 3 4 5 6 7 8 9 10 11 12 13", "Hello there", "Paris, the city of light, is the capital of", "Why is the sky blue? Because the air"]
@@ -27,14 +27,6 @@ def smollm2(smollm2_checkpoint):
     from accessory.model.meta import MetaModel
 
     return MetaModel.from_pretrained(smollm2_checkpoint, max_seq_len=1024)
-
-
-def forward_batch_sizes(model):
-    """Record the batch size of every forward pass of the model (a hook, removed by the caller)."""
-    sizes = []
-    handle = model.llma.register_forward_pre_hook(lambda module, args, kwargs: sizes.append(args[0].shape[0]),
-                                                  with_kwargs=True)
-    return sizes, handle
 
 
 # ---- batching ------------------------------------------------------------------------------------------------

@@ -54,3 +54,11 @@ def greedy_ids(model, prompts: list[list[int]], steps: int, **sampling) -> list[
     for _ in lockstep(llma, llma.ctx, scheduler, len(prompts), max(map(len, prompts)) + steps):
         pass
     return llma.ctx.broadcast_object([request.generated for request in requests])
+
+
+def forward_batch_sizes(model):
+    """Record the batch size of every forward pass of the model (a hook, removed by the caller)."""
+    sizes = []
+    handle = model.llma.register_forward_pre_hook(lambda module, args, kwargs: sizes.append(args[0].shape[0]),
+                                                  with_kwargs=True)
+    return sizes, handle

@@ -53,3 +53,14 @@ def read_spec(folders: Sequence[Path], llama_type: Optional[str] = None,
     log.info("llama_type %s, config from %s", llama_type, [str(p) for p in config_files])
     return CheckpointSpec(list(folders), llama_type, config)
 
+
+def resolved_config(config: dict, tokenizer, source: str) -> dict:
+    """The config with vocab_size -1 (Meta's LLaMA-2 params.json) taken from `tokenizer` (a Tokenizer, or None if
+    there is none), as every reader of a checkpoint must do before building the model."""
+    if config.get("vocab_size", -1) > 0:
+        return dict(config)
+    if tokenizer is None:
+        raise ConfigError(f"{source}: vocab_size is {config.get('vocab_size', -1)} (taken from the tokenizer) but "
+                          f"there is no tokenizer.model / tokenizer.json; pass one (--tokenizer_path)")
+    return {**config, "vocab_size": tokenizer.n_words}
+

@@ -110,7 +110,7 @@ def _check_pieces(report: Report, folder: Path, opened: list[dict], shapes: dict
         pieces = [t[key] for t in opened if key in t]
         if len(pieces) != len(opened):
             continue  # reported above as a missing key
-        dtypes |= {str(p.read(tuple(slice(0, 0) for _ in p.shape)).dtype).removeprefix("torch.") for p in pieces}
+        dtypes |= {str(p.dtype).removeprefix("torch.") for p in pieces}
         try:
             split_dim(pieces, list(shape), f"{folder}: tensor {key!r}")
         except AccessoryError as e:
@@ -121,8 +121,9 @@ def _check_pieces(report: Report, folder: Path, opened: list[dict], shapes: dict
 
 def _describe_model(report: Report, folders: list[Path], tokenizer_path=None) -> Optional[dict]:
     """Fill llama_type, config and tokenizer from the files beside the weights; the model's key -> full shape."""
-    from accessory.checkpoint.config import read_spec
-    from accessory.checkpoint.importers.shards import find_tokenizer_for, model_layout, resolved_config
+    from accessory.checkpoint.config import read_spec, resolved_config
+    from accessory.checkpoint.importers.shards import model_layout
+    from accessory.model.tokenizer import find_tokenizer_for
 
     tokenizer = None
     try:

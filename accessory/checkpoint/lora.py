@@ -20,13 +20,13 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import nn
 
-from accessory.checkpoint.config import read_spec
+from accessory.checkpoint.config import read_spec, resolved_config
 from accessory.checkpoint.formats import find_shards
 from accessory.checkpoint.load import _listing, load_weights, open_checkpoint
 from accessory.checkpoint.save import save_checkpoint
-from accessory.errors import CheckpointError, ConfigError
+from accessory.errors import CheckpointError
 from accessory.model.LLM import model_classes
-from accessory.model.tokenizer import SIDE_FILES, TOKENIZER_FILES, Tokenizer, find_tokenizer
+from accessory.model.tokenizer import find_tokenizer_for
 from accessory.parallel import LoraColumnParallelLinear, LoraRowParallelLinear, ParallelContext
 
 log = logging.getLogger(__name__)
@@ -51,8 +51,8 @@ def merge_lora(src_folders: Union[PathLike, Sequence[PathLike]], dst: PathLike, 
         raise CheckpointError(f"{folders[-1]}: llama_type is {spec.llama_type!r}; merge-lora takes a llama_peft "
                               f"checkpoint (meta.json llama_type \"llama_peft\"; a trainable-only folder is given "
                               f"after its base folder)")
-    tokenizer = find_tokenizer(folders)
-    config = _with_vocab_size(spec.config, tokenizer, folders)
+    tokenizer = find_tokenizer_for(folders)
+    config = resolved_config(spec.config, tokenizer, str(folders[-1]))
     plain_config = {k: v for k, v in config.items() if k not in PEFT_CONFIG_KEYS}
     shards = shards or len(find_shards(folders[0]).files)
     plain_args, _ = model_classes("llama")
@@ -68,18 +68,8 @@ def merge_lora(src_folders: Union[PathLike, Sequence[PathLike]], dst: PathLike, 
     model = _load_peft(config, folders, base_dtype)
     state_dict = _merged_state_dict(model, dtype)
     log.info("merging LoRA of %s into %s (%d shard(s))", [str(f) for f in folders], dst, shards)
-    return save_checkpoint(dst, state_dict, plain_config, shards, _tokenizer_files(tokenizer), llama_type="llama",
-                           dtype=dtype)
-
-
-def _with_vocab_size(config: dict, tokenizer: Optional[Path], folders: list[Path]) -> dict:
-    # As from_pretrained does: a vocab_size of -1 (Meta's params.json) means the tokenizer's.
-    if config.get("vocab_size", -1) > 0:
-        return dict(config)
-    if tokenizer is None:
-        raise ConfigError(f"{[str(f) for f in folders]}: the config's vocab_size is -1 (the tokenizer's) and there "
-                          f"is no tokenizer.model or tokenizer.json")
-    return {**config, "vocab_size": Tokenizer.from_path(tokenizer).n_words}
+    return save_checkpoint(dst, state_dict, plain_config, shards, tokenizer.files if tokenizer else [],
+                           llama_type="llama", dtype=dtype)
 
 
 def _nonzero_biases(sources: dict) -> list[str]:
@@ -121,11 +111,3 @@ def _merged_state_dict(model: nn.Module, dtype: Optional[torch.dtype]) -> dict[s
     # What a plain llama holds: everything but the biases and LoRA factors (save_checkpoint checks the key set).
     return {name: p.data for name, p in model.named_parameters()
             if model.checkpoint_key(name) == name and not name.endswith(PEFT_TENSOR_SUFFIXES)}
-
-
-def _tokenizer_files(tokenizer: Optional[Path]) -> list[Path]:
-    """The tokenizer file and the files that belong with it (template, special tokens), from its folder."""
-    if tokenizer is None:
-        return []
-    return [tokenizer.parent / name for name in TOKENIZER_FILES + SIDE_FILES if (tokenizer.parent / name).is_file()]
-

@@ -17,13 +17,13 @@ from typing import Callable, Optional, Sequence
 import torch
 from tqdm import tqdm
 
-from accessory.checkpoint.config import CONFIG_FILES, read_spec
+from accessory.checkpoint.config import CONFIG_FILES, read_spec, resolved_config
 from accessory.checkpoint.formats import ADDITIVE, IGNORED_KEYS, find_shards, shard_name
 from accessory.checkpoint.load import Term, _layout, copy_sum, open_checkpoint
 from accessory.checkpoint.save import atomic_folder
 from accessory.errors import CheckpointError
 from accessory.model.LLM import model_classes
-from accessory.model.tokenizer import SIDE_FILES, TOKENIZER_FILES, Tokenizer, find_tokenizer
+from accessory.model.tokenizer import SIDE_FILES, TOKENIZER_FILES, find_tokenizer_for
 from accessory.parallel import ParallelContext, Shard, global_shape, shard_of
 
 log = logging.getLogger(__name__)
@@ -86,13 +86,7 @@ def _model_type(folders: Sequence[Path]):
     """(ModelArgs, Transformer class, llama_type) from the folders' config files, merged as loading merges them."""
     spec = read_spec(list(folders))
     model_args, transformer = model_classes(spec.llama_type)
-    config = dict(spec.config)
-    if config.get("vocab_size", -1) <= 0:  # Meta's params.json says -1: the tokenizer's size, as loading does
-        tokenizer = find_tokenizer(list(folders))
-        if tokenizer is None:
-            raise CheckpointError(f"{folders[-1]}: the config has no vocab_size and no folder of "
-                                  f"{[str(f) for f in folders]} has a tokenizer to take it from")
-        config["vocab_size"] = Tokenizer.from_path(tokenizer).n_words
+    config = resolved_config(spec.config, find_tokenizer_for(folders), str(folders[-1]))
     return model_args.from_dict(config, source=f"config of {folders[-1]}"), transformer, spec.llama_type
 
 

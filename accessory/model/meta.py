@@ -10,7 +10,7 @@ from typing import Iterator, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from accessory.checkpoint.config import read_spec
+from accessory.checkpoint.config import read_spec, resolved_config
 from accessory.checkpoint.load import load_weights
 from accessory.errors import ConfigError, TokenizerError
 from accessory.generation.chat import render_chat
@@ -66,9 +66,7 @@ class MetaModel(nn.Module):
         spec = read_spec(folders, llama_type, [str(p) for p in llama_config or ()])
         tokenizer = Tokenizer.from_path(tokenizer_path or _found_tokenizer(folders))
         model_args, transformer = model_classes(spec.llama_type)
-        config = {**spec.config, "max_seq_len": max_seq_len}
-        if config.get("vocab_size", -1) <= 0:
-            config["vocab_size"] = tokenizer.n_words
+        config = resolved_config({**spec.config, "max_seq_len": max_seq_len}, tokenizer, str(folders[-1]))
         args = model_args.from_dict(config, source=f"config of {folders[-1]}")
         if tokenizer.n_words > args.vocab_size:
             raise ConfigError(f"tokenizer has {tokenizer.n_words} tokens but the model's vocab_size is "

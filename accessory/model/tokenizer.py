@@ -291,3 +291,10 @@ def _jinja_env() -> jinja2.Environment:
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
     return env
+
+
+def find_tokenizer_for(folders: list[PathLike], tokenizer_path: Optional[PathLike] = None) -> Optional[Tokenizer]:
+    """The tokenizer at `tokenizer_path`, else the one beside the weights (`find_tokenizer`), loaded; None if
+    there is none."""
+    path = tokenizer_path or find_tokenizer(list(folders))
+    return Tokenizer.from_path(path) if path is not None else None

@@ -15,12 +15,13 @@ from typing import Optional, Sequence
 import torch
 from tqdm import tqdm
 
-from accessory.checkpoint.config import read_spec
+from accessory.checkpoint.config import read_spec, resolved_config
 from accessory.checkpoint.formats import IGNORED_KEYS
 from accessory.checkpoint.importers import ImportedModel, _clip
-from accessory.checkpoint.importers.shards import find_tokenizer_for, model_layout, resolved_config
+from accessory.checkpoint.importers.shards import model_layout
 from accessory.checkpoint.load import key_mismatch
 from accessory.errors import CheckpointError
+from accessory.model.tokenizer import find_tokenizer_for
 
 log = logging.getLogger(__name__)
 PREFIXES = ("llma.", "model.", "")

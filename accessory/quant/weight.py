@@ -1,0 +1,84 @@
+"""QuantizedWeight: a rank's slice of a weight W (out, in), held in a quantized format instead of a float Parameter.
+
+A parallel layer's `weight` is either a float Parameter or one of these (parallel/layers.py `quantize_`). Its
+parts are buffers named after the weight (`wq.weight.q`, `wq.weight.scale`, `wq.weight.min`), and each part carries
+its own `Shard` (`q_shard`, ...) cut from the float weight's, so loading, saving and resharding slice them as they
+slice any tensor. Groups run along `in`: a split of `in` across ranks falls on group boundaries (the layers align it),
+so every rank's slice quantizes exactly as the same columns of the whole weight do, at any rank count.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+import torch
+from torch import nn
+
+from accessory.quant.formats import GROUP, PART_DTYPES, check_format, dequantize, packed_in, part_shapes, quantize
+from accessory.quant.kernels import quantized_linear
+
+
+class QuantizedWeight(nn.Module):
+    def __init__(self, fmt: str, out_features: int, in_features: int, shard=None, device=None):
+        """`out_features` x `in_features` is this rank's (local) shape; `shard` the float weight's Shard."""
+        super().__init__()
+        self.fmt, self.shape, self.shard = check_format(fmt), (out_features, in_features), shard
+        if in_features % GROUP:
+            raise ValueError(f"{in_features} input features per rank are not a multiple of the quantization group "
+                             f"size {GROUP}")
+        for name, shape in part_shapes(fmt, out_features, in_features).items():
+            self.register_buffer(name, torch.empty(shape, dtype=PART_DTYPES[fmt][name], device=device))
+            setattr(self, f"{name}_shard", part_shard(shard, fmt, name))
+
+    @property
+    def parts(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in PART_DTYPES[self.fmt]}
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) @ W^T -> (..., out)."""
+        return quantized_linear(x, self.fmt, self.q, self.scale, getattr(self, "min", None))
+
+    def embed(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `tokens` of W, dequantized: an embedding lookup (..., in)."""
+        flat = tokens.reshape(-1)
+        rows = dequantize({name: part[flat] for name, part in self.parts.items()}, self.fmt, dtype)
+        return rows.reshape(*tokens.shape, self.shape[1])
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.parts, self.fmt, dtype)
+
+    @torch.no_grad()
+    def quantize_from(self, weight: torch.Tensor) -> None:
+        """Fill the parts from this rank's float slice `weight` (out, in)."""
+        for name, value in quantize(weight, self.fmt).items():
+            getattr(self, name).copy_(value)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.numel() * part.element_size() for part in self.parts.values())
+
+    def extra_repr(self) -> str:
+        return f"{self.fmt}, {self.shape[0]}x{self.shape[1]}, groups of {GROUP}"
+
+
+def part_shard(shard, fmt: str, part: str):
+    """The Shard of one part, from the float weight's: rows split alike; a split of `in` shrinks with the packing
+    (q: 2 values a byte for int4) or to groups (scale, min)."""
+    if shard is None or shard.dim == 0:
+        return shard
+    if part == "q":
+        divide = shard.size // packed_in(fmt, shard.size)
+    else:
+        divide = GROUP
+    return replace(shard, start=shard.start // divide, stop=shard.stop // divide, size=shard.size // divide,
+                   local_size=shard.local_size // divide)
+
+
+def quantized_parts(name: str, fmt: str) -> list[str]:
+    """The checkpoint names of a quantized weight's parts: `layers.0.attention.wq.weight.q`, ..."""
+    return [f"{name}.{part}" for part in PART_DTYPES[fmt]]
+
+
+def float_or_quantized(weight) -> Optional[str]:
+    """The format of a layer's weight: None for a float Parameter."""
+    return weight.fmt if isinstance(weight, QuantizedWeight) else None

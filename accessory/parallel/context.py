@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from accessory.errors import ConfigError
 
@@ -111,17 +112,30 @@ class ParallelContext:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
-            dist.all_reduce(x, group=self.group)
-        return x
+    # The layers' collectives are functional (out of place), so a compiled decode step traces through them.
 
-    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's x."""
         if self.world_size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=dim)
+        return funcol.all_reduce(x, "sum", self.group)
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's x, concatenated along `dim` in rank order."""
+        if self.world_size == 1:
+            return x
+        gathered = funcol.all_gather_single(x.contiguous(), 0, self.group)  # the ranks' x stacked on dim 0
+        return torch.cat(gathered.chunk(self.world_size, dim=0), dim=dim)
+
+    def gather_to_source(self, x: torch.Tensor, dim: int = -1) -> Optional[torch.Tensor]:
+        """Every rank's x concatenated along `dim` on the source rank; None elsewhere (the engine's logits: only
+        the source rank samples, so only it needs the whole vocabulary)."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_source else None
+        dist.gather(x, parts, dst=self.src, group=self.group)
+        return torch.cat(parts, dim=dim) if self.is_source else None
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank ends with the source rank's `x` (in place)."""

@@ -10,6 +10,9 @@ Each layer records its slice of the global weight as `weight_shard`; the checkpo
 slicing on that (never on parameter names). A split that does not divide evenly gives every rank
 ceil(size / parts) rows and zero-fills the tail of the last ones: zero rows of w1/w3 feed zero columns of w2, and
 padded output logits are cut off after the gather. So a vocabulary or FFN size need not divide the rank count.
+
+A layer's weight is a float Parameter, or after `quantize_(fmt)` a `QuantizedWeight` (quant/weight.py) in groups of
+32 inputs; a quantized split of the inputs is aligned to whole groups (`align`).
 """
 from __future__ import annotations
 
@@ -21,6 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from accessory.parallel.context import ParallelContext
+from accessory.quant.formats import GROUP
+from accessory.quant.kernels import quantized_linear
+from accessory.quant.weight import QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -36,8 +42,10 @@ class Shard:
     local_size: int
 
 
-def make_shard(dim: int, size: int, parts: int, index: int) -> Shard:
+def make_shard(dim: int, size: int, parts: int, index: int, align: int = 1) -> Shard:
+    """Partition `index` of `parts`: ceil(size / parts) long, rounded up to a multiple of `align`."""
     local = -(-size // parts)  # ceil
+    local = -(-local // align) * align
     start = min(index * local, size)
     return Shard(dim, start, min(start + local, size), size, local)
 
@@ -47,21 +55,52 @@ def partition_index(ctx: ParallelContext, parts: int) -> int:
     return ctx.rank * parts // ctx.world_size
 
 
-class ColumnParallelLinear(nn.Module):
+class ParallelWeight(nn.Module):
+    """A layer with a rank's slice of one weight (`weight`, `weight_shard`), float or quantized."""
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T with this rank's slice of W."""
+        weight = self.weight
+        return weight.linear(x) if isinstance(weight, QuantizedWeight) else F.linear(x, weight)
+
+    def quantize_(self, fmt: str) -> None:
+        """Hold the weight in `fmt` (quant/formats.py) from now on; on the meta device, before loading."""
+        if isinstance(self.weight, QuantizedWeight):
+            raise ValueError(f"the weight is already {self.weight.fmt}")
+        shard = self.weight_shard
+        if shard is not None and shard.dim == 1 and (shard.start % GROUP or shard.local_size % GROUP):
+            raise ValueError(f"this rank's inputs [{shard.start}, {shard.stop}) of {shard.size} do not fall on "
+                             f"quantization groups of {GROUP}")
+        quantized = QuantizedWeight(fmt, *self.weight.shape, shard, device=self.weight.device)
+        del self.weight  # a registered parameter cannot be replaced by a module in place
+        self.weight = quantized
+
+    def split_(self, dim: int, size: int, parts: int, index: int, align: int) -> None:
+        """Re-cut this rank's slice (on the meta device, before loading), e.g. aligned to quantization groups."""
+        self.weight_shard = make_shard(dim, size, parts, index, align)
+        shape = list(self.weight.shape)
+        shape[dim] = self.weight_shard.local_size
+        self.weight = nn.Parameter(torch.empty(shape, device=self.weight.device), requires_grad=False)
+
+
+class ColumnParallelLinear(ParallelWeight):
     """y = x W^T with W split by output rows. `parts` < world size replicates partitions (used for KV heads)."""
 
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, gather_output: bool = False,
-                 parts: Optional[int] = None):
+                 parts: Optional[int] = None, align: int = 1):
         super().__init__()
-        parts = parts or ctx.world_size
-        if gather_output and parts != ctx.world_size:
+        self.parts = parts or ctx.world_size
+        if gather_output and self.parts != ctx.world_size:
             raise ValueError("gather_output needs one partition per rank")
         self.ctx, self.out_features, self.gather_output = ctx, out_features, gather_output
-        self.weight_shard = make_shard(0, out_features, parts, partition_index(ctx, parts))
+        self.weight_shard = make_shard(0, out_features, self.parts, partition_index(ctx, self.parts), align)
         self.weight = nn.Parameter(torch.empty(self.weight_shard.local_size, in_features), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gathered(F.linear(x, self.weight))
+        return self.gathered(self.project(x))
+
+    def align_(self, align: int) -> None:
+        self.split_(0, self.out_features, self.parts, partition_index(self.ctx, self.parts), align)
 
     def gathered(self, y: torch.Tensor) -> torch.Tensor:
         """This rank's outputs y (..., local) as the layer's output: all of them if gather_output, else as they are."""
@@ -70,20 +109,60 @@ class ColumnParallelLinear(nn.Module):
         return y
 
 
-class RowParallelLinear(nn.Module):
+class FusedColumns(nn.Module):
+    """Column-parallel layers that read the same input, computed as one product: their weights become row slices
+    of one stacked weight (nothing is copied: fuse before loading), so x @ [Wq; Wk; Wv]^T is one matrix product
+    instead of three. The layers keep their own (view) tensors under their own names, so loading and saving see
+    them as before; the stacked tensors are not saved. Fuse last: moving the model afterwards would unshare them."""
+
+    def __init__(self, layers: list[ColumnParallelLinear]):
+        super().__init__()
+        self.sizes = [layer.weight.shape[0] for layer in layers]
+        first = layers[0].weight
+        if isinstance(first, QuantizedWeight):
+            self.fmt = first.fmt
+            for name, part in first.parts.items():
+                stacked = torch.cat([layer.weight.parts[name] for layer in layers])  # (sum of rows, ...)
+                self.register_buffer(name, stacked, persistent=False)
+                for layer, view in zip(layers, stacked.split(self.sizes)):
+                    setattr(layer.weight, name, view)
+        else:
+            self.fmt = None
+            self.register_buffer("weight", torch.cat([layer.weight.data for layer in layers]), persistent=False)
+            for layer, view in zip(layers, self.weight.split(self.sizes)):
+                layer.weight = nn.Parameter(view, requires_grad=False)
+
+    @staticmethod
+    def fusable(layers) -> bool:
+        """Plain column-parallel layers (no bias, LoRA or gather) holding their weights alike."""
+        kinds = {(type(layer), getattr(layer.weight, "fmt", None), layer.weight.shape[1]) for layer in layers}
+        return len(kinds) == 1 and type(layers[0]) is ColumnParallelLinear and not layers[0].gather_output
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.fmt is None:
+            y = F.linear(x, self.weight)
+        else:
+            y = quantized_linear(x, self.fmt, self.q, self.scale, getattr(self, "min", None))
+        return list(y.split(self.sizes, dim=-1))
+
+
+class RowParallelLinear(ParallelWeight):
     """y = x W^T with W split by input columns; x arrives already split, partial products are summed."""
 
-    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext):
+    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, align: int = 1):
         super().__init__()
-        self.ctx = ctx
-        self.weight_shard = make_shard(1, in_features, ctx.world_size, ctx.rank)
+        self.ctx, self.in_features = ctx, in_features
+        self.weight_shard = make_shard(1, in_features, ctx.world_size, ctx.rank, align)
         self.weight = nn.Parameter(torch.empty(out_features, self.weight_shard.local_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ctx.all_reduce(F.linear(x, self.weight))
+        return self.ctx.all_reduce(self.project(x))
+
+    def align_(self, align: int) -> None:
+        self.split_(1, self.in_features, self.ctx.world_size, self.ctx.rank, align)
 
 
-class ParallelEmbedding(nn.Module):
+class ParallelEmbedding(ParallelWeight):
     """Embedding table split along the feature dimension; every rank gets the full vectors after a gather."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, ctx: ParallelContext):
@@ -95,8 +174,14 @@ class ParallelEmbedding(nn.Module):
         self.weight_shard = make_shard(1, embedding_dim, ctx.world_size, ctx.rank)
         self.weight = nn.Parameter(torch.empty(num_embeddings, self.weight_shard.local_size), requires_grad=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.ctx.all_gather(F.embedding(tokens, self.weight), dim=-1)
+    def forward(self, tokens: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """(..., embedding_dim) vectors of `tokens`; a quantized table gives them in `dtype`."""
+        weight = self.weight
+        if isinstance(weight, QuantizedWeight):
+            local = weight.embed(tokens, dtype or torch.float32)
+        else:
+            local = F.embedding(tokens, weight)
+        return self.ctx.all_gather(local, dim=-1)
 
 
 def shard_of(model: nn.Module, param_name: str) -> Optional[Shard]:

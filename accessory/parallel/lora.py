@@ -50,10 +50,22 @@ class LoraColumnParallelLinear(ColumnParallelLinear):
             self.bias_shard = self.weight_shard  # dim 0: the bias of an output row lives with that row
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # (..., local outputs)
+        y = self.project(x)  # (..., local outputs)
+        if self.bias is not None:
+            y = y + self.bias
         if self.lora_a is not None:
             y = y + self.lora_b(self.lora_a(x))  # (..., rank) -> (..., local outputs)
         return self.gathered(y)
+
+    def align_(self, align: int) -> None:
+        """Re-cut W's rows, and with them the bias's and B's (quantization groups: FeedForward.align_hidden)."""
+        super().align_(align)
+        if self.lora_b is not None:
+            self.lora_b.align_(align)
+        if self.bias is not None:
+            self.bias = nn.Parameter(torch.empty(self.weight_shard.local_size, device=self.bias.device),
+                                     requires_grad=False)
+            self.bias_shard = self.weight_shard
 
 
 class LoraRowParallelLinear(RowParallelLinear):
@@ -70,13 +82,19 @@ class LoraRowParallelLinear(RowParallelLinear):
         if bias:  # replicated (no shard): added once, after the sum over ranks
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
 
+    def align_(self, align: int) -> None:
+        """Re-cut W's inputs, and with them A's (quantization groups: FeedForward.align_hidden)."""
+        super().align_(align)
+        if self.lora_a is not None:
+            self.lora_a.align_(align)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # (..., out), this rank's partial sum
+        y = self.project(x)  # (..., out), this rank's partial sum
         if self.lora_a is None:
             y = self.ctx.all_reduce(y)
         else:
             # One all-reduce for both partial sums: (..., out + rank), then split back.
-            both = self.ctx.all_reduce(torch.cat((y, F.linear(x, self.lora_a.weight)), dim=-1))
+            both = self.ctx.all_reduce(torch.cat((y, self.lora_a.project(x)), dim=-1))
             y, low = both.split([y.shape[-1], both.shape[-1] - y.shape[-1]], dim=-1)
             y = y + self.lora_b(low)
         if self.bias is not None:

@@ -6,6 +6,7 @@ keyed on them.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -13,9 +14,24 @@ import torch
 from torch import nn
 
 from accessory.errors import ConfigError
-from accessory.model.components import (PLAIN, Attention, CacheAt, FeedForward, KVCache, Linears, RMSNorm,
-                                        attention_mask, rope_frequencies, rope_table)
+from accessory.model.components import (PLAIN, Attention, FeedForward, KVCache, Linears, RMSNorm, rope_frequencies,
+                                        rope_table)
 from accessory.parallel import ColumnParallelLinear, ParallelContext, ParallelEmbedding
+from accessory.quant.weight import QuantizedWeight
+
+log = logging.getLogger(__name__)
+
+
+# Keys older config files carry that are engine settings, not the model's (MetaModel.from_pretrained takes them).
+ENGINE_KEYS = ("max_batch_size",)
+
+
+def without_engine_keys(values: dict, source: str) -> dict:
+    found = [key for key in ENGINE_KEYS if key in values]
+    if found:
+        log.info("%s: %s is an engine setting (from_pretrained / --max_batch_size); the file's value is not used",
+                 source, ", ".join(found))
+    return {k: v for k, v in values.items() if k not in ENGINE_KEYS}
 
 
 @dataclass
@@ -42,8 +58,7 @@ class ModelArgs:
     rope_scaling: Union[None, float, dict] = None
     use_scaled_rope: bool = False  # Meta's LLaMA-3.1 params.json flag: llama3 scaling with Meta's defaults
     tie_word_embeddings: bool = False  # output projection shares tok_embeddings' weight (no `output` tensor saved)
-    max_batch_size: int = 32
-    max_seq_len: int = 2048
+    max_seq_len: int = 2048  # positions the rotary table covers; from_pretrained sets it
     load_pretrained_visual_encoder: bool = False  # LLaMA2-Accessory training flag; no effect on inference
 
     def __post_init__(self):
@@ -59,7 +74,7 @@ class ModelArgs:
     @classmethod
     def check_keys(cls, values: dict, source: str) -> None:
         """Reject unknown keys, naming them and the file they came from."""
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} | set(ENGINE_KEYS)
         unknown = sorted(set(values) - known)
         if unknown:
             hint = ""
@@ -69,6 +84,7 @@ class ModelArgs:
 
     @classmethod
     def from_dict(cls, values: dict, source: str = "config") -> "ModelArgs":
+        values = without_engine_keys(values, source)
         cls.check_keys(values, source)
         return cls(**values)
 
@@ -119,14 +135,28 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x: torch.Tensor, rotations: torch.Tensor, mask: Optional[torch.Tensor] = None,
-                at: Optional[CacheAt] = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rotations, mask, at)
+    def forward(self, x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+        return self._ffn(x + self.attention(self.attention_norm(x), rotations))
+
+    def prefill(self, x, rotations, rows, positions, segments) -> torch.Tensor:
+        return self._ffn(x + self.attention.prefill(self.attention_norm(x), rotations, rows, positions, segments))
+
+    def decode(self, x, rotations, positions, mask) -> torch.Tensor:
+        return self._ffn(x + self.attention.decode(self.attention_norm(x), rotations, positions, mask))
+
+    def _ffn(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+# The weights of a block that quantization covers (LoRA factors, biases and norms stay float).
+BLOCK_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1",
+                 "feed_forward.w2", "feed_forward.w3")
+
+
 class Transformer(nn.Module):
-    """The language model. Build it on the meta device, then `materialize` it and load weights into it."""
+    """The language model. Build it on the meta device, optionally `quantize_` it, then `materialize` it and load
+    weights into it. Three entry points share the weights: `forward` (scoring whole sequences), `prefill` and
+    `decode` (the engine's, on the KV cache; they return this rank's slice of the logits, ungathered)."""
 
     def __init__(self, args: ModelArgs, ctx: ParallelContext):
         super().__init__()
@@ -137,21 +167,77 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(args, ctx, linears) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = ColumnParallelLinear(args.dim, args.vocab_size, ctx, gather_output=True)
-        self.rotations: Optional[torch.Tensor] = None  # (max_seq_len, head_dim / 2) complex, made by materialize
+        self._tie_embeddings()
+        self.rotations: Optional[torch.Tensor] = None  # (max_seq_len, head_dim / 2, 2), made by materialize
 
     def block_linears(self, args: ModelArgs) -> Linears:
         """The linear layers of the blocks' attention and feed-forward; a variant (llama_peft) overrides this."""
         return PLAIN
 
-    def checkpoint_key(self, param_name: str) -> str:
-        """The checkpoint tensor a parameter is loaded from: tied embeddings load `output` from tok_embeddings."""
-        if self.args.tie_word_embeddings and param_name == "output.weight":
-            return "tok_embeddings.weight"
-        return param_name
+    def _tie_embeddings(self) -> None:
+        """At one rank a tied output projection is the embedding table itself (one copy in memory); at more ranks
+        the two hold different slices of it (vocabulary rows and feature columns) and load it separately."""
+        if self.args.tie_word_embeddings and self.ctx.world_size == 1:
+            del self.output.weight  # a parameter, or a quantized module, is replaced by the embedding's own
+            self.output.weight = self.tok_embeddings.weight
+
+    def checkpoint_key(self, name: str) -> str:
+        """The checkpoint tensor a model tensor is loaded from: a tied output loads from tok_embeddings."""
+        if self.args.tie_word_embeddings and name.startswith("output.weight"):
+            return "tok_embeddings.weight" + name[len("output.weight"):]
+        return name
+
+    def saved_tensors(self) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> this rank's tensor, for the tensors a checkpoint of this model holds: parameters and
+        quantized parts (not KV caches), each once (a tied output is tok_embeddings' tensor)."""
+        return {name: t for name, t in self.state_dict(keep_vars=True).items() if self.checkpoint_key(name) == name}
+
+    # ---- quantization -----------------------------------------------------------------------------------------
+
+    def quantization_plan(self, fmt: str) -> dict[str, str]:
+        """Weight name -> format for `quant=fmt`: every block linear in `fmt`; the embedding table and the output
+        projection in int8 (at 4 bits they cost the most quality for the least memory, as in llama.cpp's mixes)."""
+        plan = {f"layers.{i}.{linear}.weight": fmt for i in range(self.args.n_layers) for linear in BLOCK_LINEARS}
+        plan["tok_embeddings.weight"] = "int8"
+        if not self.args.tie_word_embeddings:
+            plan["output.weight"] = "int8"
+        return plan
+
+    def quantize_(self, formats: dict[str, str]) -> None:
+        """Hold the named weights in those formats (on the meta device, before materialize and loading)."""
+        for i, layer in enumerate(self.layers):
+            if any(f"layers.{i}.feed_forward.{w}.weight" in formats for w in ("w1", "w2", "w3")):
+                layer.feed_forward.align_hidden()
+        if self.args.tie_word_embeddings and "tok_embeddings.weight" in formats:
+            formats = {**formats, "output.weight": formats["tok_embeddings.weight"]}
+        for name, fmt in formats.items():
+            layer_name = name.removesuffix(".weight")
+            try:
+                if self.args.tie_word_embeddings and self.ctx.world_size == 1 and layer_name == "output":
+                    continue  # the same weight as tok_embeddings, quantized there
+                self.get_submodule(layer_name).quantize_(fmt)
+            except (AttributeError, ValueError) as e:
+                raise ConfigError(f"cannot quantize {name} as {fmt}: {e}") from e
+        self._tie_embeddings()
+
+    @property
+    def quantization(self) -> dict[str, str]:
+        """Weight name -> format of every quantized weight (empty for a float model)."""
+        return {f"{name}.weight": module.weight.fmt for name, module in self.named_modules()
+                if isinstance(getattr(module, "weight", None), QuantizedWeight)
+                and self.checkpoint_key(f"{name}.weight") == f"{name}.weight"}
 
     def materialize(self, device: torch.device, dtype: torch.dtype) -> "Transformer":
-        """Give the meta-device parameters real (uninitialised) storage, and compute the rotary table."""
-        self.to(dtype).to_empty(device=device)  # the dtype change is free on the meta device
+        """Give the meta-device tensors real (uninitialised) storage: float parameters in `dtype`, quantized parts
+        in their own dtypes, the projections that share an input stacked (FusedColumns); and compute the rotary
+        table."""
+        for param in self.parameters():
+            param.data = param.data.to(dtype)  # free on the meta device
+        self.to_empty(device=device)
+        self._tie_embeddings()  # to_empty gives each module its own new parameter: share the table again
+        for layer in self.layers:
+            layer.attention.fuse()
+            layer.feed_forward.fuse()
         freqs = rope_frequencies(self.args.head_dim, self.args.rope_theta, self.rope_scaling)
         self.rotations = rope_table(freqs, self.args.max_seq_len, device)
         return self
@@ -162,24 +248,38 @@ class Transformer(nn.Module):
             return {"rope_type": "llama3", "factor": 8.0}  # Meta's LLaMA-3.1 defaults
         return self.args.rope_scaling
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    # ---- KV cache (allocated and released by the engine) -----------------------------------------------------
+
     def setup_caches(self, rows: int, columns: int) -> None:
-        """Make sure every layer has a KV cache of at least `rows` sequences of `columns` positions; reuse the
-        current one if it fits."""
+        """Make sure every layer has a KV cache of exactly `rows` sequences of `columns` positions."""
         if columns > self.args.max_seq_len:
             raise ValueError(f"{columns} positions requested; the model was set up for max_seq_len "
                              f"{self.args.max_seq_len}")
         first = self.layers[0].attention.cache
-        if first is not None and first.k.shape[0] >= rows and first.k.shape[2] >= columns:
+        if first is not None and first.k.shape[0] == rows and first.k.shape[2] == columns:
             return
         self.free_caches()  # before allocating, so the old and new never coexist
-        weight = self.tok_embeddings.weight
         for layer in self.layers:
             attn = layer.attention
-            attn.cache = KVCache(rows, attn.n_local_kv_heads, columns, attn.head_dim, weight.dtype, weight.device)
+            attn.cache = KVCache(rows, attn.n_local_kv_heads, columns, attn.head_dim, self.dtype, self.device)
 
     def free_caches(self) -> None:
         for layer in self.layers:
             layer.attention.cache = None
+
+    @property
+    def cache_shape(self) -> Optional[tuple[int, int]]:
+        """(rows, columns) of the KV cache, or None."""
+        cache = self.layers[0].attention.cache
+        return None if cache is None else (cache.k.shape[0], cache.k.shape[2])
 
     @property
     def cache_nbytes(self) -> int:
@@ -189,23 +289,35 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.cache.move_rows(dst, src, end)
 
-    @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                cache_rows: Optional[slice] = None, logits_at: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Float32 logits for tokens (B, L): (B, L, vocab), or (B, vocab) at index `logits_at` (B,) of each row.
+    # ---- the three entry points ------------------------------------------------------------------------------
 
-        `positions` (B, L): each token's position (default 0..L-1 for every row, causal). With `cache_rows`, the
-        keys and values are written to those KV-cache rows at those positions, and each token also sees the
-        earlier positions cached there; without, nothing is cached (scoring).
-        """
-        seqlen = tokens.shape[1]
-        h = self.tok_embeddings(tokens)
-        rotations = self.rotations[:seqlen][None] if positions is None else self.rotations[positions]
-        end = seqlen if positions is None else int(positions.max()) + 1
-        at = CacheAt(cache_rows, positions, end) if cache_rows is not None else None
-        mask = attention_mask(positions, end)
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Float32 logits (B, L, vocab) of whole sequences (B, L) from position 0, on every rank; nothing is
+        cached (scoring)."""
+        h = self.tok_embeddings(tokens, self.dtype)
+        rotations = self.rotations[:tokens.shape[1]][None]
         for layer in self.layers:
-            h = layer(h, rotations, mask, at)
-        if logits_at is not None:
-            h = h[torch.arange(h.shape[0], device=h.device), logits_at]
+            h = layer(h, rotations)
         return self.output(self.norm(h)).float()
+
+    def prefill(self, tokens: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                segments: list[tuple[int, int]]) -> torch.Tensor:
+        """Prompts packed into tokens (T,): token t is written to cache row rows[t] at position positions[t];
+        each (start, length) segment is one prompt. This rank's logits (segments, local vocab) at each segment's
+        last token."""
+        h = self.tok_embeddings(tokens[None], self.dtype)  # (1, T, dim)
+        rotations = self.rotations[positions][None]
+        for layer in self.layers:
+            h = layer.prefill(h, rotations, rows, positions, segments)
+        last = torch.tensor([start + length - 1 for start, length in segments], device=tokens.device)
+        return self.output.project(self.norm(h[0, last])).float()
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One token per cache row 0..B-1: tokens and positions (B,), mask (B, 1, 1, C) from `decode_mask`. This
+        rank's logits (B, local vocab). Static shapes, no host sync: the engine may compile it."""
+        h = self.tok_embeddings(tokens[:, None], self.dtype)  # (B, 1, dim)
+        rotations = self.rotations[positions][:, None]  # (B, 1, D/2, 2)
+        for layer in self.layers:
+            h = layer.decode(h, rotations, positions, mask)
+        return self.output.project(self.norm(h[:, 0])).float()

@@ -27,7 +27,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch.distributed as dist
 
@@ -332,35 +332,24 @@ def split_jobs(jobs: list[Job], dp_size: int, max_gen_len: int) -> list[list[Job
 # ---- generation (every rank of a group; its source writes) -----------------------------------------------------------
 
 def generate_jobs(model, jobs: list[Job], sampling: dict, batch_size: int, on_done: Callable[[Job, dict], None]) -> None:
-    """Generate every job; `on_done(job, last event)` (on every rank) as each one ends, while the others go on.
-
-    Jobs with different stop strings (a plain prompt beside a templated conversation) run in separate calls: the
-    engine takes one stop-string list per call.
-    """
+    """Generate every job, each with its own stop strings; `on_done(job, last event)` as each one ends, while the
+    others go on (on the source rank; the other ranks hear of each chunk's ends when it is over)."""
     chunk = batch_size * CHUNK_BATCHES
-    for stops, same_stops in _by_stops(jobs):
-        for start in range(0, len(same_stops), chunk):
-            part = same_stops[start: start + chunk]
-            written = [False] * len(part)
-            for events in model.stream_generate([j.prompt for j in part], additional_stop_symbols=list(stops),
-                                                **sampling):
-                for k, event in enumerate(events):
-                    if event["end_of_content"] and not written[k]:
-                        written[k] = True
-                        on_done(part[k], event)
-            assert all(written), "stream_generate ended before every row's end_of_content"
-
-
-def _by_stops(jobs: list[Job]) -> Iterator[tuple[tuple[str, ...], list[Job]]]:
-    buckets: dict[tuple[str, ...], list[Job]] = {}
-    for job in jobs:
-        buckets.setdefault(job.stops, []).append(job)
-    yield from buckets.items()
+    for start in range(0, len(jobs), chunk):
+        part = jobs[start: start + chunk]
+        written = [False] * len(part)
+        for events in model.stream_generate([j.prompt for j in part],
+                                            additional_stop_symbols=[list(j.stops) for j in part], **sampling):
+            for k, event in enumerate(events):
+                if event.end_of_content and not written[k]:
+                    written[k] = True
+                    on_done(part[k], event)
+        assert all(written), "stream_generate ended before every row's end_of_content"
 
 
 def output_row(job: Job, event: dict, max_gen_len: int, max_seq_len: int) -> dict:
-    return {"id": job.id, "output": event["text"], "finish_reason": event["finish_reason"],
-            "prompt_tokens": job.prompt_tokens, "output_tokens": event["completion_tokens"],
+    return {"id": job.id, "output": event.text, "finish_reason": event.finish_reason,
+            "prompt_tokens": job.prompt_tokens, "output_tokens": event.completion_tokens,
             # the engine keeps a too-long prompt's last tokens (with a warning); say so where the answer is
             "prompt_truncated": job.prompt_tokens + max_gen_len > max_seq_len}
 
@@ -379,7 +368,7 @@ def run_group(model, layout: GroupLayout, jobs: list[Job], options: BatchOptions
 
     def on_done(job: Job, event: dict) -> None:
         if writer is not None:
-            stats.output_tokens += event["completion_tokens"]
+            stats.output_tokens += event.completion_tokens
             writer.write(output_row(job, event, sampling["max_gen_len"], options.max_seq_len))
         bar.update(1)
 
@@ -413,7 +402,6 @@ def run_batch(options: BatchOptions, sampling: dict, load_model: Callable) -> No
     stats, encode_s = [GroupStats()], 0.0
     if pending:
         model = load_model(layout.mp_group)
-        model.max_batch_size = options.batch_size  # rows in flight per group
         jobs, encode_s = _on_rank0(world, lambda: _timed(render_jobs, model.tokenizer, plan.pending,
                                                          options.template)) or (None, 0.0)
         mine = _scatter_to_groups(world, layout, split_jobs(jobs, layout.dp_size, sampling["max_gen_len"])

@@ -5,6 +5,7 @@
     accessory serve [--pretrained_path DIR ...] [--host H] [--port P] [--api-key KEY] ...   (OpenAI-compatible)
     accessory batch --input IN.jsonl --output OUT.jsonl [--mp N] [--batch_size N] ...   (dp x mp under torchrun)
     accessory convert {accessory,meta,hf,gguf,dcp} SRC DST [--to {accessory,hf}] [--shards N] ...
+    accessory quantize SRC DST --to {int8,int4} [--shards N]
     accessory inspect PATH [--json]
     accessory weights {apply,extract} --pretrained_path BASE --delta_path DELTA --output_path OUT [--shards N]
     accessory weights merge-lora SRC [SRC ...] DST [--shards N]
@@ -54,14 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--model-name", help="the model id clients name (default: the checkpoint folder's name)")
     http.add_argument("--template", help="a LLaMA2-Accessory conversation template for chat (default: the "
                       "model's own chat template)")
-    http.add_argument("--max_batch_size", type=positive_int, default=16, help="requests decoded together")
     http.add_argument("--max-queue", type=positive_int, default=64,
                       help="requests that may wait for a free row; past it, 429")
     http.add_argument("--shutdown-grace", type=_non_negative_float, default=30.0,
                       help="on SIGTERM, seconds to let running requests finish before cancelling them")
-    serve.set_defaults(handler=run_serve, max_seq_len=2048)
+    serve.set_defaults(handler=run_serve, max_seq_len=2048, max_batch_size=16)
 
     _add_convert_verb(verbs)
+    _add_quantize_verb(verbs)
     _add_inspect_verb(verbs)
     _add_weights_verb(verbs)
     _add_reshard_verb(verbs)
@@ -78,6 +79,15 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--max_seq_len", type=positive_int, default=4096)
     model.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: bf16 on CUDA, fp32 on CPU")
     model.add_argument("--device", help="default: cuda if available, else cpu")
+    model.add_argument("--quant", nargs="?", const="int8", choices=["int8", "int4"],
+                       help="weight-only quantization while loading (--quant alone: int8; int4: the blocks' linears "
+                       "in int4, the embedding in int8); a quantized checkpoint loads in its own format. With the "
+                       "built-in model, int4 runs the GGUF file's own Q4_1 bits")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--max_batch_size", type=positive_int, default=32,
+                        help="rows decoded together; more requests wait for a free row")
+    engine.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile "
+                        "(CUDA graphs on CUDA): tens of seconds once, faster steps after")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser):
@@ -106,14 +116,16 @@ def load_model(args, mp_group=None):
 
     paths = args.pretrained_path
     if not paths:
+        keep_bits = args.quant == "int4"  # the GGUF's own Q4_1 weights, as llama.cpp runs them
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one process per node imports it; the others wait
-            ensure_default_model()
+            ensure_default_model(keep_bits)
         if dist.is_initialized():
             dist.barrier()
-        paths = [ensure_default_model()]
+        paths = [ensure_default_model(keep_bits)]
     return MetaModel.from_pretrained(paths, llama_type=args.llama_type, llama_config=args.llama_config,
                                      tokenizer_path=args.tokenizer_path, max_seq_len=args.max_seq_len,
-                                     dtype=args.dtype, device=args.device, mp_group=mp_group)
+                                     dtype=args.dtype, device=args.device, mp_group=mp_group, quant=args.quant,
+                                     max_batch_size=args.max_batch_size, compile=args.compile)
 
 
 def run_generate(args) -> None:
@@ -153,9 +165,9 @@ def run_chat(args) -> None:
         messages.append({"role": "user", "content": line})
         reply = ""
         for event in model.stream_chat(messages, template=args.template, **_sampling_kwargs(args)):
-            reply = event["text"]
+            reply = event.text
             if source:
-                print(event["delta"], end="", flush=True)
+                print(event.delta, end="", flush=True)
         if source:
             print(flush=True)
         messages.append({"role": "assistant", "content": reply})
@@ -165,7 +177,6 @@ def run_serve(args) -> None:
     from accessory.serve.server import serve
 
     model = load_model(args)
-    model.max_batch_size = args.max_batch_size
     name = args.model_name or (os.path.basename(os.path.normpath(args.pretrained_path[-1])) if args.pretrained_path
                                else DEFAULT_MODEL_NAME)
     serve(model, args.host, args.port, name, args.api_key, args.template, args.max_queue, args.shutdown_grace)
@@ -201,8 +212,9 @@ def _add_batch_verb(verbs) -> None:
                      "in it or in its OUTPUT.part-* files")
     job.add_argument("--mp", type=positive_int, default=1, help="model-parallel ranks per group; the world size "
                      "must be a multiple (data-parallel groups = world / mp)")
-    job.add_argument("--batch_size", type=positive_int, default=8, help="rows in flight per group")
-    batch.set_defaults(handler=run_batch)
+    job.add_argument("--batch_size", type=positive_int, help="rows in flight per group (the same as "
+                     "--max_batch_size, which it overrides; default 8)")
+    batch.set_defaults(handler=run_batch, max_batch_size=8)
 
 
 def run_batch(args) -> None:
@@ -210,7 +222,8 @@ def run_batch(args) -> None:
 
     from accessory.batch import BatchOptions, run_batch as run
 
-    options = BatchOptions(Path(args.input), Path(args.output), args.mp, args.batch_size, args.template,
+    args.max_batch_size = args.batch_size or args.max_batch_size
+    options = BatchOptions(Path(args.input), Path(args.output), args.mp, args.max_batch_size, args.template,
                            args.max_seq_len)
     run(options, _sampling_kwargs(args), lambda group: load_model(args, group))
 
@@ -298,6 +311,8 @@ def _add_convert_verb(verbs) -> None:
     conv.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: keep the source's")
     conv.add_argument("--max_shard_size", type=_byte_size, default=5 << 30,
                       help="HF output: largest safetensors file, e.g. 5GB, 500MB (default 5GB)")
+    conv.add_argument("--keep-quantized", action="store_true", help="GGUF source: keep Q8_0 / Q4_0 / Q4_1 tensors' "
+                      "bits as int8 / int4 (bit-exact; other types are dequantized), for --quant loading")
     given = conv.add_argument_group("model description (accessory, meta and dcp sources)")
     given.add_argument("--llama_type", help="model type (default: meta.json's beside SRC, else llama)")
     given.add_argument("--llama_config", nargs="+", default=[], help="config files (params.json / config.json) "
@@ -313,7 +328,29 @@ def run_convert(args) -> None:
     from accessory.model.meta import DTYPES
 
     convert(args.source, Path(args.src), Path(args.dst), args.shards, DTYPES[args.dtype] if args.dtype else None,
-            args.target, args.llama_type, args.llama_config, args.tokenizer_path, args.max_shard_size)
+            args.target, args.llama_type, args.llama_config, args.tokenizer_path, args.max_shard_size,
+            args.keep_quantized)
+    print(args.dst)
+
+
+def _add_quantize_verb(verbs) -> None:
+    quantize = verbs.add_parser("quantize", help="write a float checkpoint with weight-only int8 or int4 weights "
+                                "(safetensors shards that load and reshard at any rank count)")
+    quantize.add_argument("src", help="a float checkpoint folder (accessory or Meta shards, any count)")
+    quantize.add_argument("dst", help="new checkpoint folder (must not exist)")
+    quantize.add_argument("--to", dest="fmt", required=True, choices=["int8", "int4"],
+                          help="int8: every linear and the embedding; int4: the blocks' linears (the embedding and "
+                          "output in int8)")
+    quantize.add_argument("--shards", type=positive_int, help="shard count to write (default: the source's)")
+    quantize.set_defaults(handler=run_quantize)
+
+
+def run_quantize(args) -> None:
+    from pathlib import Path
+
+    from accessory.checkpoint.quantize import quantize_checkpoint
+
+    quantize_checkpoint(Path(args.src), Path(args.dst), args.fmt, args.shards)
     print(args.dst)
 
 

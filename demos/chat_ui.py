@@ -39,10 +39,8 @@ def parse_args(description: str, argv=None) -> argparse.Namespace:
                       help="LLaMA2-Accessory conversation template selected at start (default: the model's own)")
     page.add_argument("--system", default="", help="system message selected at start")
     # As `accessory serve`: the service keeps a KV cache of max_batch_size x max_seq_len tokens for as long as it
-    # runs (at the model's own 32 x 4096: 5.6 GiB for the built-in 135M model in float32 on one rank).
-    page.add_argument("--max_batch_size", type=cli.positive_int, default=16,
-                      help="answers decoded together; more wait for a free row")
-    parser.set_defaults(max_seq_len=2048)
+    # runs (at 32 x 4096: 5.6 GiB for the built-in 135M model in float32 on one rank), so smaller defaults here.
+    parser.set_defaults(max_seq_len=2048, max_batch_size=16)
     return parser.parse_args(argv)
 
 
@@ -59,7 +57,6 @@ def serve(title: str, context: Context, args: argparse.Namespace) -> None:
     from accessory.serve.engine import GenerationService
 
     model = cli.load_model(args)
-    model.max_batch_size = args.max_batch_size
     service = GenerationService(model)
     service.install_signal_handlers()
     page = failure = None
@@ -176,8 +173,8 @@ def stream_reply(service, context: Context, text: str, history: Messages, templa
     try:
         yield "", history, display(history), "Answering..."
         for event in handle:
-            answered = [*history, {"role": "assistant", "content": event["text"]}]
-            finish = event["finish_reason"]
+            answered = [*history, {"role": "assistant", "content": event.text}]
+            finish = event.finish_reason
             yield "", answered, display(answered), status_line(event)
     finally:
         if finish is None:  # closed early (Stop, Undo, Clear, the browser left): free the row now
@@ -196,11 +193,11 @@ def submit(service, messages: Messages, sampling: dict, template):
         raise gr.Error(str(e)) from None
 
 
-def status_line(event: dict) -> str:
-    if event["finish_reason"] is None:
+def status_line(event) -> str:
+    if event.finish_reason is None:
         return "Answering..."
-    tokens = event["completion_tokens"]
-    return f"{FINISHED[event['finish_reason']]} ({tokens} token{'' if tokens == 1 else 's'})."
+    tokens = event.completion_tokens
+    return f"{FINISHED[event.finish_reason]} ({tokens} token{'' if tokens == 1 else 's'})."
 
 
 def parse_seed(text: str):

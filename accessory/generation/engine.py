@@ -1,119 +1,252 @@
-"""Continuous batching in lockstep: every model-parallel rank runs the same steps, the source rank decides them.
+"""The engine: continuous batching in lockstep over a model-parallel group, around a static decode step.
 
-Each step the source rank's `Scheduler` turns the last step's logits into tokens, text and events, and writes a
-`Plan`: which rows stay (a finished row's cache row is refilled by a live one), the next token of each, and the
-prompts that join. The plan is broadcast, and every rank's `Batch` executes it. So ranks agree by construction
-(no rank samples but the source; no caller has to seed every rank alike), and a request that arrives while others
-decode joins the running batch at the next step.
+Every rank runs the same steps and the source rank decides them: its `Scheduler` samples the last step's logits,
+detokenizes, emits events, and writes the next `Plan`. Per step the ranks exchange one small integer tensor of
+fixed size (status, kept rows, whether rows move, each row's next token); only when the batch changes (a row leaves
+from the middle, prompts join) does a second message carry which rows stay and the new prompts' token ids. No text
+ever leaves the source rank, and nothing sent per step grows with the length of the output. Each step's logits are
+gathered to the source rank alone.
 
 A row's token at position p lives in KV-cache column p: rows at different positions share one cache, nothing is
-padded, and a row that leaves frees its cache row at once.
+padded, and a row that leaves frees its cache row at once (a live row from the end takes its place). A step decodes
+the kept rows with `Transformer.decode` (static shapes, compiled once per shape when `compile` is on) and prefills
+the joining prompts packed into one sequence.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+import logging
+from dataclasses import dataclass, replace
+from typing import Collection, Iterator, Optional
 
 import torch
 
+from accessory.generation.scheduler import Event, Plan, Request, Scheduler
+from accessory.model.components import decode_mask
 
-@dataclass
-class Plan:
-    """One step, as the source rank decided it. `keep[j]` is the current row that becomes row j (rows not named
-    have finished), `tokens[j]` its next input token; `admit` are the prompts (token ids) of rows that join after
-    them. `events` carry what callers see of the previous step, so every rank can yield the same stream."""
-    keep: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    admit: list[list[int]] = field(default_factory=list)
-    events: list[tuple[Any, dict]] = field(default_factory=list)
-    done: bool = False  # the last plan: nothing to run, the loop ends
-    error: Optional[str] = None  # the source rank failed; every rank raises this
+log = logging.getLogger(__name__)
+
+RUN, DONE, FAILED = 0, 1, 2  # the status of a step, as sent
+HEADER = 3  # status, kept rows, rows move (then a second message follows)
+MIN_COLUMNS = 256  # the smallest KV-cache and attention width: widths are powers of two from here
+PREFILL_TOKENS = 4096  # prompt tokens prefilled in one forward pass at most (more run in several)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How the engine runs a model, chosen when loading it (MetaModel.from_pretrained, the CLI's flags).
+
+    `max_batch_size`: rows decoded together; more requests wait for a free row. `compile`: compile the decode
+    step with torch.compile (CUDA graphs on CUDA): a slower first call per shape, faster steps after.
+    `keep_cache_bytes`: after a run, a KV cache up to this size stays allocated for the next one."""
+    max_batch_size: int = 32
+    compile: bool = False
+    keep_cache_bytes: int = 256 << 20
+
+    def __post_init__(self):
+        if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be an integer >= 1, got {self.max_batch_size!r}")
+
+
+class Engine:
+    """One per loaded model: MetaModel, the server, batch jobs, the demos and the tests all drive this object."""
+
+    def __init__(self, model, tokenizer, settings: EngineSettings = EngineSettings(),
+                 stop_ids: Collection[int] = ()):
+        self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        self.ctx = model.ctx
+        self.stop_ids = set(stop_ids)  # EOS and the chat template's end-of-turn token: they end any request
+        self.decode_step = compiled(model.decode, model.device) if settings.compile else model.decode
+
+    def configured(self, **changes) -> "Engine":
+        """An engine for the same model with some settings changed."""
+        return Engine(self.model, self.tokenizer, replace(self.settings, **changes), self.stop_ids)
 
     @property
-    def runs(self) -> bool:
-        return bool(self.keep or self.admit)
+    def max_seq_len(self) -> int:
+        return self.model.args.max_seq_len
+
+    def scheduler(self, rows: int, idle_wait_s: float = 0.0) -> Optional[Scheduler]:
+        """A scheduler for `rows` rows on the source rank; None on the others."""
+        if not self.ctx.is_source:
+            return None
+        return Scheduler(self.tokenizer, self.stop_ids, rows, self.model.args.vocab_size, self.model.device,
+                         idle_wait_s)
+
+    def stream(self, requests: list[Request]) -> Iterator[list[Event]]:
+        """Complete `requests` (the source rank's count; each rank passes the same number), at most max_batch_size
+        at a time. On the source rank, after each step that changed any request: the latest Event of every request,
+        in order. Every rank ends with the final events (sent from the source rank once, at the end)."""
+        rows = min(len(requests), self.settings.max_batch_size)
+        columns = max(len(r.tokens) + r.params.max_gen_len for r in requests)
+        scheduler = self.scheduler(rows)
+        latest = [Event(r.id) for r in requests]
+        if scheduler is not None:
+            for request in requests:
+                scheduler.add(request)
+            scheduler.close()
+        row_of = {r.id: i for i, r in enumerate(requests)}
+        for events in self.run(scheduler, rows, columns):
+            latest = [replace(e, delta="") for e in latest]
+            for event in events:
+                latest[row_of[event.id]] = event
+            yield latest
+        final = self.ctx.broadcast_object(latest if self.ctx.is_source else None)
+        if not self.ctx.is_source:
+            yield final
+
+    def run(self, scheduler: Optional[Scheduler], rows: int, columns: int) -> Iterator[list[Event]]:
+        """Run steps until the source rank's scheduler is done, on every rank; yield each step's events (on the
+        source rank; nothing elsewhere). The KV cache holds `rows` rows of `columns` positions (rounded up)."""
+        batch = Batch(self, rows, _bucket(columns, self.max_seq_len))
+        logits = None
+        try:
+            while True:
+                plan, events = self._next_plan(scheduler, logits, batch.rows)
+                if events:
+                    yield events
+                if plan.done:
+                    return
+                logits = batch.step(plan)
+        finally:
+            if self.model.cache_nbytes > self.settings.keep_cache_bytes:
+                self.model.free_caches()
+
+    def _next_plan(self, scheduler, logits, rows: int) -> tuple[Plan, list[Event]]:
+        """The source rank's plan for the next step, on every rank (with the events, on the source rank)."""
+        plan, events, error = None, [], None
+        if scheduler is not None:
+            try:
+                plan, events = scheduler.step(logits)
+            except Exception as e:  # tell the other ranks before raising, so they do not wait forever
+                error = e
+        if self.ctx.world_size == 1:
+            if error is not None:
+                raise error
+            return plan, events
+        return self._share(plan, error, rows), events
+
+    def _share(self, plan: Optional[Plan], error: Optional[Exception], rows: int) -> Plan:
+        header = torch.zeros(HEADER + rows, dtype=torch.long, device=self.ctx.device)
+        if self.ctx.is_source:
+            status = FAILED if error is not None else DONE if plan.done else RUN
+            header[:HEADER] = torch.tensor([status, len(plan.keep) if plan else 0, int(bool(plan and plan.moves))])
+            if plan is not None and plan.tokens:
+                header[HEADER:HEADER + len(plan.tokens)] = torch.tensor(plan.tokens)
+        values = self.ctx.broadcast(header).tolist()
+        status, kept, moves = values[:HEADER]
+        if status == FAILED:
+            message = self.ctx.broadcast_object(f"{type(error).__name__}: {error}" if error else None)
+            if error is not None:
+                raise error
+            raise RuntimeError(f"model-parallel source rank failed: {message}")
+        keep, admit = tuple(range(kept)), ()
+        if moves:
+            keep, admit = self.ctx.broadcast_object((plan.keep, plan.admit) if self.ctx.is_source else None)
+        return Plan(keep, tuple(values[HEADER:HEADER + kept]), admit, status == DONE)
 
 
 class Batch:
-    """The rows in flight on this rank: their KV-cache rows (0..len-1, in order) and positions."""
+    """One run's rows on this rank: the KV cache (allocated here), and each row's next position."""
 
-    def __init__(self, model, rows: int, columns: int):
-        self.model, self.rows, self.columns = model, rows, columns
+    def __init__(self, engine: Engine, rows: int, columns: int):
+        self.engine, self.model, self.rows, self.columns = engine, engine.model, rows, columns
         self.positions: list[int] = []  # next position of each row = tokens cached so far
-        model.setup_caches(rows, columns)
-        self.device = model.rotations.device
+        with torch.inference_mode():
+            # At least 2 rows: torch.compile gives a size of 1 a graph of its own; a cache row is cheap.
+            self.model.setup_caches(max(rows, 2), columns)
 
+    @torch.inference_mode()
     def step(self, plan: Plan) -> Optional[torch.Tensor]:
-        """Run `plan`: logits (rows after the step, vocab) for each row's next token, or None if no rows run."""
+        """Run `plan`: logits (rows after the step, vocab) on the source rank, None elsewhere or if no rows run."""
         self._compact(plan.keep)
         if len(plan.keep) + len(plan.admit) > self.rows:
             raise RuntimeError(f"plan has {len(plan.keep) + len(plan.admit)} rows; the batch holds {self.rows}")
-        logits = []
+        local = []
         if plan.keep:
-            logits.append(self._decode(plan.tokens))
+            local.append(self._decode(plan.tokens))
         if plan.admit:
-            logits.append(self._prefill(plan.admit))
-        return torch.cat(logits) if logits else None
+            local += self._prefill(plan.admit)
+        if not local:
+            return None
+        logits = self.engine.ctx.gather_to_source(torch.cat(local))  # (rows, vocab padded to the ranks)
+        return None if logits is None else logits[:, :self.model.args.vocab_size]
 
-    def _compact(self, keep: list[int]) -> None:
+    def _compact(self, keep: tuple[int, ...]) -> None:
         moves = [(dst, src) for dst, src in enumerate(keep) if dst != src]
         if moves:
             end = max(self.positions[src] for _, src in moves)
             self.model.move_cache_rows([d for d, _ in moves], [s for _, s in moves], end)
         self.positions = [self.positions[src] for src in keep]
 
-    def _decode(self, tokens: list[int]) -> torch.Tensor:
-        batch = len(tokens)
-        positions = torch.tensor(self.positions, device=self.device)[:, None]
-        inputs = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
-        logits = self.model(inputs, positions, slice(0, batch), torch.zeros(batch, dtype=torch.long,
-                                                                              device=self.device))
+    def _decode(self, tokens: tuple[int, ...]) -> torch.Tensor:
+        """This rank's logits (len(tokens), local vocab) of one token for each of the first len(tokens) rows."""
+        n, device = len(tokens), self.model.device
+        width = _bucket(max(self.positions) + 1, self.columns)
+        padded = self._padded_rows(n)  # rows past n decode junk at position 0; prefill overwrites it before use
+        token_ids = torch.zeros(padded, dtype=torch.long)
+        token_ids[:n] = torch.tensor(tokens)
+        positions = torch.zeros(padded, dtype=torch.long)
+        positions[:n] = torch.tensor(self.positions)
+        token_ids, positions = token_ids.to(device), positions.to(device)
+        logits = self.engine.decode_step(token_ids, positions, decode_mask(positions, width))
         self.positions = [p + 1 for p in self.positions]
-        return logits
+        return logits[:n]
 
-    def _prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        # Right-padded: padding only follows a row's real tokens, so causal attention never lets them see it, and
-        # the padding's cache columns are overwritten by the row's own next tokens before anything reads them.
-        start, lengths = len(self.positions), [len(p) for p in prompts]
+    def _padded_rows(self, n: int) -> int:
+        """On CUDA graphs, a power-of-two number of rows (few graphs to capture); otherwise exactly n."""
+        if not (self.engine.settings.compile and self.model.device.type == "cuda"):
+            return n
+        return min(1 << (n - 1).bit_length(), self.rows)
+
+    def _prefill(self, prompts: tuple[tuple[int, ...], ...]) -> list[torch.Tensor]:
+        """Write each prompt into its new row (after the current ones); this rank's logits of its last token."""
+        lengths = [len(p) for p in prompts]
         if min(lengths) < 1 or max(lengths) >= self.columns:
             raise ValueError(f"prompt lengths {lengths} must be in 1..{self.columns - 1} (the cache's columns)")
-        inputs = torch.zeros(len(prompts), max(lengths), dtype=torch.long, device=self.device)
-        for row, prompt in enumerate(prompts):
-            inputs[row, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        last = torch.tensor(lengths, device=self.device) - 1
-        logits = self.model(inputs, None, slice(start, start + len(prompts)), last)
+        first_row, logits = len(self.positions), []
+        for group in _packed_groups(lengths, PREFILL_TOKENS):
+            logits.append(self._prefill_packed([prompts[i] for i in group], [first_row + i for i in group]))
         self.positions += lengths
         return logits
 
-
-def lockstep(model, ctx, scheduler, rows: int, columns: int, keep_cache_bytes: int = 0) -> Iterator[Plan]:
-    """Run plans until the last one, on every rank; yield each plan (its events) before running it.
-
-    `scheduler` is the source rank's (None elsewhere): `scheduler.plan(logits)` gives the next Plan from the
-    last step's logits. If the source rank fails, the others hear of it in the next plan and raise too.
-    """
-    batch = Batch(model, rows, columns)
-    logits = None
-    try:
-        while True:
-            plan = _next_plan(scheduler, logits) if ctx.is_source else None
-            plan = ctx.broadcast_object(plan)
-            if plan.error is not None:
-                if scheduler is not None and scheduler.error is not None:
-                    raise scheduler.error
-                raise RuntimeError(f"model-parallel source rank failed: {plan.error}")
-            yield plan
-            if plan.done:
-                return
-            logits = batch.step(plan)
-    finally:
-        if model.cache_nbytes > keep_cache_bytes:
-            model.free_caches()
+    def _prefill_packed(self, prompts: list[tuple[int, ...]], rows: list[int]) -> torch.Tensor:
+        device = self.model.device
+        tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)
+        row_of_token = torch.tensor([row for row, p in zip(rows, prompts) for _ in p], device=device)
+        positions = torch.tensor([i for p in prompts for i in range(len(p))], device=device)
+        starts = [sum(len(p) for p in prompts[:i]) for i in range(len(prompts))]
+        return self.model.prefill(tokens, row_of_token, positions, list(zip(starts, map(len, prompts))))
 
 
-def _next_plan(scheduler, logits) -> Plan:
-    try:
-        return scheduler.plan(logits)
-    except BaseException as e:  # tell the other ranks before raising, so they do not wait forever
-        scheduler.error = e
-        return Plan(done=True, error=f"{type(e).__name__}: {e}")
+def compiled(decode, device: torch.device):
+    """`decode` under torch.compile, as one graph with symbolic sizes (rows and columns vary as requests come and
+    go; a size of 1 gets its own graph), captured as CUDA graphs on CUDA (one per shape the buckets allow).
+
+    Guards: dynamo re-checks every module attribute the step reads on every call (about 1 ms here); only the
+    inputs' and the KV cache's tensor guards are kept, since the model's weights never change after loading."""
+    options = {"guard_filter_fn": _decode_guards}
+    if device.type == "cuda":
+        options["triton.cudagraphs"] = True
+    return torch.compile(decode, fullgraph=True, dynamic=True, options=options)
+
+
+def _decode_guards(entries) -> list[bool]:
+    return [e.guard_type == "TENSOR_MATCH" and (not e.name.startswith("self") or "['cache']" in e.name)
+            for e in entries]
+
+
+def _bucket(columns: int, limit: int) -> int:
+    """A power of two >= columns (at least MIN_COLUMNS), at most `limit`."""
+    return min(max(MIN_COLUMNS, 1 << (columns - 1).bit_length()), limit)
+
+
+def _packed_groups(lengths: list[int], budget: int) -> list[list[int]]:
+    """Consecutive indices of `lengths` in groups of at most `budget` tokens (a longer prompt alone)."""
+    groups, current, total = [], [], 0
+    for i, n in enumerate(lengths):
+        if current and total + n > budget:
+            groups.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += n
+    return groups + [current]

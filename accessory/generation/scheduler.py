@@ -1,10 +1,13 @@
 """The source rank's side of continuous batching: requests wait, join the batch when a row is free, are sampled
 step by step, and leave when they stop, run out of tokens, or are cancelled.
 
-Requests may arrive from other threads (`add`, `cancel`); `plan` runs on the thread that drives the engine.
+Requests may arrive from other threads (`add`, `cancel`); `step` runs on the thread that drives the engine. Text,
+detokenization and events live here, on the source rank only: the other ranks receive each step's `Plan` (token ids
+and, when the batch changes, which rows stay and which prompts join), never text.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import time
 from collections import deque
@@ -13,11 +16,43 @@ from typing import Any, Collection, Optional, Sequence
 
 import torch
 
-from accessory.generation.engine import Plan
 from accessory.generation.sampling import SamplingParams, sample
 from accessory.generation.text import RowText
 
+log = logging.getLogger(__name__)
 FINISH_REASONS = ("stop", "length", "cancelled")
+TRUNCATE_POLICIES = ("left", "error")
+
+
+@dataclass(frozen=True)
+class Event:
+    """What a caller sees of one request after a step: its text so far, what this step added, and whether (and
+    why) it ended. `event["text"]` works too, as LLaMA2-Accessory's dicts did."""
+    id: Any
+    text: str = ""
+    delta: str = ""
+    end_of_content: bool = False
+    finish_reason: Optional[str] = None  # None until the request ends, then one of FINISH_REASONS
+    completion_tokens: int = 0
+
+    def __getitem__(self, key: str):
+        return getattr(self, key)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One step, as the source rank decided it: `keep[j]` is the current row that becomes row j (rows not named
+    have finished), `tokens[j]` its next input token; `admit` are the prompts (token ids) of rows that join after
+    them. `done`: nothing is left, the run ends."""
+    keep: tuple[int, ...] = ()
+    tokens: tuple[int, ...] = ()
+    admit: tuple[tuple[int, ...], ...] = ()
+    done: bool = False
+
+    @property
+    def moves(self) -> bool:
+        """Whether rows change places or join (else the kept rows are simply the first len(keep))."""
+        return bool(self.admit) or self.keep != tuple(range(len(self.keep)))
 
 
 def row_seeds(seed: int, n: int) -> list[int]:
@@ -25,9 +60,28 @@ def row_seeds(seed: int, n: int) -> list[int]:
     return torch.randint(0, 2 ** 62, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def fit_prompt(tokens: list[int], params: SamplingParams, max_seq_len: int, truncate: str, row: int) -> list[int]:
+    """The long-input policy: a prompt plus max_gen_len must fit in max_seq_len. "left" keeps the prompt's last
+    tokens (with a warning); "error" raises."""
+    if truncate not in TRUNCATE_POLICIES:
+        raise ValueError(f"truncate must be one of {TRUNCATE_POLICIES}, got {truncate!r}")
+    room = max_seq_len - params.max_gen_len
+    if room < 1:
+        raise ValueError(f"max_gen_len ({params.max_gen_len}) must be below max_seq_len ({max_seq_len})")
+    if len(tokens) <= room:
+        return tokens
+    if truncate == "error":
+        raise ValueError(f"prompt {row} has {len(tokens)} tokens; with max_gen_len {params.max_gen_len} at most "
+                         f"{room} fit in max_seq_len {max_seq_len} (pass truncate='left' to keep its end)")
+    log.warning("prompt %d: %d tokens do not fit with max_gen_len %d in max_seq_len %d; keeping the last %d",
+                row, len(tokens), params.max_gen_len, max_seq_len, room)
+    return tokens[-room:]
+
+
 @dataclass
 class Request:
-    """One sequence to complete. `tokens` must leave room for `params.max_gen_len` in the batch's columns."""
+    """One sequence to complete, with its own sampling parameters, seed and stop strings. `tokens` must leave room
+    for `params.max_gen_len` in the batch's columns."""
     id: Any
     tokens: list[int]
     params: SamplingParams
@@ -49,14 +103,13 @@ class Scheduler:
     def __init__(self, tokenizer, stop_ids: Collection[int], rows: int, vocab_size: int, device: torch.device,
                  idle_wait_s: float = 0.0):
         """`rows`: how many requests decode together. `idle_wait_s`: with nothing to do and not closed, how long
-        `plan` waits for a request before returning an empty plan (a heartbeat for the other ranks)."""
+        `step` waits for a request before returning an empty plan (a heartbeat for the other ranks)."""
         self.tokenizer, self.rows, self.vocab_size, self.device = tokenizer, rows, vocab_size, device
         self.stop_ids, self.idle_wait_s = set(stop_ids), idle_wait_s
         self.inbox: queue.Queue = queue.Queue()  # ("add", request) or ("cancel", id), from any thread
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []  # in batch-row order
         self.closed = False
-        self.error: Optional[BaseException] = None
 
     # ---- from any thread ------------------------------------------------------------------------------------------
 
@@ -67,13 +120,14 @@ class Scheduler:
         self.inbox.put(("cancel", request_id))
 
     def close(self) -> None:
-        """No more requests: `plan` says done once the ones already added have finished."""
+        """No more requests: `step` says done once the ones already added have finished."""
         self.inbox.put(("close", None))
 
     # ---- the driving thread -----------------------------------------------------------------------------------------
 
-    def plan(self, logits: Optional[torch.Tensor]) -> Plan:
-        events: list[tuple[Any, dict]] = []
+    def step(self, logits: Optional[torch.Tensor]) -> tuple[Plan, list[Event]]:
+        """Sample the last step's logits (one row per active request), then plan the next step."""
+        events: list[Event] = []
         if logits is not None:
             self._sample(logits, events)
         self._read_inbox(events, wait=not self.active and not self.waiting and not self.closed)
@@ -85,8 +139,9 @@ class Scheduler:
             self._start(request)
         self.active += admitted
         done = self.closed and not self.active and not self.waiting
-        return Plan(keep, [r.generated[-1] for r in self.active[:len(keep)]], [r.tokens for r in admitted], events,
-                    done)
+        plan = Plan(tuple(keep), tuple(r.generated[-1] for r in self.active[:len(keep)]),
+                    tuple(tuple(r.tokens) for r in admitted), done)
+        return plan, events
 
     def _read_inbox(self, events: list, wait: bool) -> None:
         deadline = time.monotonic() + (self.idle_wait_s if wait else 0.0)
@@ -154,15 +209,13 @@ class Scheduler:
 
     @staticmethod
     def _emit(request: Request, events: list) -> None:
-        """An event when the text callers may see grew, and always at the end: {"text": all so far, "delta": what
-        is new, "end_of_content", "finish_reason": None or one of FINISH_REASONS, "completion_tokens"}."""
+        """An event when the text callers may see grew, and always at the end."""
         ended = request.finish_reason is not None
         text = request.text.text if ended else request.text.visible
         if text == request.shown and not ended:
             return
-        events.append((request.id, {"text": text, "delta": text[len(request.shown):], "end_of_content": ended,
-                                    "finish_reason": request.finish_reason,
-                                    "completion_tokens": len(request.generated)}))
+        events.append(Event(request.id, text, text[len(request.shown):], ended, request.finish_reason,
+                            len(request.generated)))
         request.shown = text
 
 

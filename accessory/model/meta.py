@@ -10,15 +10,17 @@ from typing import Iterator, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from accessory.checkpoint.config import read_spec, resolved_config
+from accessory.checkpoint.config import CheckpointSpec, read_spec, resolved_config
 from accessory.checkpoint.load import load_weights
 from accessory.errors import ConfigError, TokenizerError
 from accessory.generation.chat import render_chat
-from accessory.generation.runner import fit_prompt, stream_rows
+from accessory.generation.engine import Engine, EngineSettings
 from accessory.generation.sampling import SamplingParams
+from accessory.generation.scheduler import Event, Request, fit_prompt, row_seeds
 from accessory.model.LLM import model_classes
 from accessory.model.tokenizer import Tokenizer, find_tokenizer
 from accessory.parallel import ParallelContext, init_distributed
+from accessory.quant.kernels import cpu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -28,14 +30,14 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 
 
 class MetaModel(nn.Module):
-    def __init__(self, llma: nn.Module, tokenizer: Tokenizer, llama_type: str = "llama"):
+    def __init__(self, llma: nn.Module, tokenizer: Tokenizer, llama_type: str = "llama",
+                 engine_settings: EngineSettings = EngineSettings()):
         super().__init__()
         self.llma, self.tokenizer, self.llama_type = llma, tokenizer, llama_type
         self.ctx: ParallelContext = llma.ctx
         # One stop-token set for every call: EOS, and the chat template's end-of-turn token if it has one.
-        self.stop_ids = set(tokenizer.eos_ids) | (tokenizer.chat_stop_ids if tokenizer.has_chat_template else set())
-        self.max_batch_size: int = llma.args.max_batch_size  # larger inputs run in waves of this many rows
-        self.keep_cache_bytes: int = 256 << 20  # a KV cache up to this size is kept for the next call
+        stop_ids = set(tokenizer.eos_ids) | (tokenizer.chat_stop_ids if tokenizer.has_chat_template else set())
+        self.engine = Engine(llma, tokenizer, engine_settings, stop_ids)
 
     @classmethod
     def from_pretrained(cls, pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optional[str] = None,
@@ -43,20 +45,26 @@ class MetaModel(nn.Module):
                         with_visual: bool = False, max_seq_len: int = 4096,
                         mp_group: Optional[torch.distributed.ProcessGroup] = None,
                         dtype: Union[None, str, torch.dtype] = None, device: Union[None, str, torch.device] = None,
-                        quant: bool = False) -> "MetaModel":
+                        quant: Union[bool, None, str] = False, *, max_batch_size: int = 32,
+                        compile: bool = False) -> "MetaModel":
         """Load a checkpoint folder (or a list of folders, later ones overriding earlier ones) onto the
         model-parallel group `mp_group` (default: the torchrun world, or this process alone).
 
         Every rank builds the model on the meta device and copies in only its own slice of each tensor, resharding
         from the checkpoint's shard count to the group's size. The config, tokenizer and parallel size are checked
         before any weight is read. Defaults: CUDA if available, else CPU; bfloat16 on CUDA, float32 on CPU.
+
+        `quant`: weight-only quantization. True or "int8": every linear and the embedding in int8; "int4": the
+        blocks' linears in int4, the embedding and output in int8. Each rank quantizes its own slice as it loads.
+        A quantized checkpoint (`accessory quantize`, or a GGUF imported with its bits kept) loads in its own
+        format whatever `quant` says, unless `quant` names another one. `max_batch_size` (rows decoded together)
+        and `compile` (torch.compile the decode step) are the engine's settings (`model.engine`).
         """
         if with_visual:
             raise NotImplementedError("with_visual=True: multimodal llama types are not built yet")
-        if quant:
-            raise NotImplementedError("quant=True: quantized loading is not built yet")
         folders = [Path(p) for p in ([pretrained_path] if isinstance(pretrained_path, (str, Path))
                                      else pretrained_path)]
+        settings = EngineSettings(max_batch_size=max_batch_size, compile=compile)  # checked before loading
         if mp_group is None:
             init_distributed()  # a script started by torchrun needs no set-up of its own
         ctx = ParallelContext.from_group(mp_group)
@@ -75,6 +83,11 @@ class MetaModel(nn.Module):
 
         with torch.device("meta"):
             llma = transformer(args, ctx)
+        formats = quantized_formats(llma, spec, quant, folders[-1])
+        if formats:
+            llma.quantize_(formats)
+            if device.type == "cpu":
+                cpu_kernels()  # built once per machine (seconds), before anything is compiled
         llma.materialize(device, dtype)
         error = None
         try:
@@ -82,9 +95,21 @@ class MetaModel(nn.Module):
         except Exception as e:  # every rank must hear of it, or the others would wait in the next collective
             error = e
         ctx.raise_if_any_failed(error)
-        log.info("loaded %s (%s) at %d model-parallel rank(s), %s on %s", folders[-1], spec.llama_type,
-                 ctx.world_size, dtype, device)
-        return cls(llma.eval(), tokenizer, spec.llama_type)
+        log.info("loaded %s (%s%s) at %d model-parallel rank(s), %s on %s", folders[-1], spec.llama_type,
+                 f", {_describe(formats)}" if formats else "", ctx.world_size, dtype, device)
+        return cls(llma.eval(), tokenizer, spec.llama_type, settings)
+
+    @property
+    def stop_ids(self) -> set[int]:
+        return self.engine.stop_ids
+
+    @stop_ids.setter
+    def stop_ids(self, ids) -> None:
+        self.engine.stop_ids = set(ids)
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.engine.settings.max_batch_size
 
     # ---- generation -------------------------------------------------------------------------------------------
 
@@ -103,16 +128,20 @@ class MetaModel(nn.Module):
         events = []
         for events in self._stream(prompts, images, params, additional_stop_symbols, seed, truncate):
             pass
-        return [event["text"] for event in events]
+        return [event.text for event in events]
 
     def stream_generate(self, prompt: Union[str, Sequence[str]], image=None, max_gen_len: int = 512,
                         temperature: float = 0.0, top_p: float = 0.95, additional_stop_symbols: Sequence[str] = (),
                         seed: Optional[int] = None, *, top_k: int = 0, repetition_penalty: float = 1.0,
                         truncate: str = "left") -> Iterator:
-        """Stream one prompt as dicts {"text": text so far, "delta": new text, "end_of_content": bool}, the last
-        with end_of_content True; or a list of prompts as lists of such dicts, one per prompt, whenever any changes.
+        """Stream one prompt as `Event`s (`event["text"]`: text so far, `["delta"]`: new text, `["end_of_content"]`),
+        the last with end_of_content True; or a list of prompts as lists of Events, one per prompt, whenever any
+        changes.
 
         Text that could still become a stop symbol, or is an incomplete UTF-8 character, is held back until clear.
+        For a list of prompts, `additional_stop_symbols` may also be a list of lists: each prompt's own stops.
+        Under tensor parallelism the source rank streams; the other ranks (which compute alongside but never
+        detokenize) yield only the final event(s).
         """
         params = SamplingParams(max_gen_len, temperature, top_p, top_k, repetition_penalty)
         batch = not isinstance(prompt, str)
@@ -128,12 +157,12 @@ class MetaModel(nn.Module):
         """
         text = ""
         for event in self.stream_chat(messages, max_gen_len, temperature, top_p, seed, template=template, **options):
-            text = event["text"]
+            text = event.text
         return text
 
     def stream_chat(self, messages: list[dict], max_gen_len: int = 512, temperature: float = 0.0, top_p: float = 0.95,
                     seed: Optional[int] = None, *, template: Optional[str] = None,
-                    additional_stop_symbols: Sequence[str] = (), **options) -> Iterator[dict]:
+                    additional_stop_symbols: Sequence[str] = (), **options) -> Iterator[Event]:
         """`chat`, streamed as `stream_generate` streams one prompt."""
         prompt, stops = render_chat(self.tokenizer, messages, template)
         yield from self.stream_generate(prompt, None, max_gen_len, temperature, top_p,
@@ -146,12 +175,14 @@ class MetaModel(nn.Module):
             raise ValueError("prompts is empty: pass at least one prompt")
         # The source rank's prompts and seed win, so ranks cannot disagree even if their callers do.
         prompts, seed = self.ctx.broadcast_object((list(prompts), secrets.randbits(63) if seed is None else seed))
-        max_seq_len = self.llma.args.max_seq_len
-        tokens = [fit_prompt(self.tokenizer.encode(p, bos=True, eos=False), params, max_seq_len, truncate, i)
-                  for i, p in enumerate(prompts)]
-        with torch.inference_mode():
-            yield from stream_rows(self.llma, self.tokenizer, tokens, params, seed, self.stop_ids,
-                                   list(stop_strings), self.max_batch_size, self.keep_cache_bytes)
+        stops = _stops_per_prompt(stop_strings, len(prompts))
+        requests = [Request(row, fit_prompt(self.tokenizer.encode(prompt, bos=True, eos=False), params,
+                                            self.llma.args.max_seq_len, truncate, row), params, row_seed, stops[row])
+                    for row, (prompt, row_seed) in enumerate(zip(prompts, row_seeds(seed, len(prompts))))]
+        for request in requests:
+            if not request.tokens:
+                raise ValueError(f"prompt {request.id} is empty after tokenization")
+        yield from self.engine.stream(requests)
 
     # ---- scoring ---------------------------------------------------------------------------------------------
 
@@ -166,7 +197,7 @@ class MetaModel(nn.Module):
         for start in range(0, len(examples), self.max_batch_size):
             wave = examples[start: start + self.max_batch_size]
             # right padding: causal attention never lets a real token see the padding after it
-            tokens = torch.zeros(len(wave), max(map(len, wave)), dtype=torch.long, device=self.llma.rotations.device)
+            tokens = torch.zeros(len(wave), max(map(len, wave)), dtype=torch.long, device=self.llma.device)
             for row, ids in enumerate(wave):
                 tokens[row, :len(ids)] = torch.tensor(ids)
             out = self.llma(tokens)
@@ -229,17 +260,50 @@ class MetaModel(nn.Module):
         return tokens
 
 
+def _stops_per_prompt(stop_strings, n: int) -> list[list[str]]:
+    """One list of stop strings for every prompt, or a list of lists (one per prompt), as n lists."""
+    stop_strings = list(stop_strings)
+    if stop_strings and all(isinstance(s, (list, tuple)) for s in stop_strings):
+        if len(stop_strings) != n:
+            raise ValueError(f"{len(stop_strings)} lists of stop symbols for {n} prompts; give one per prompt")
+        return [list(s) for s in stop_strings]
+    if any(not isinstance(s, str) for s in stop_strings):
+        raise ValueError("additional_stop_symbols must be strings, or one list of strings per prompt")
+    return [stop_strings] * n
+
+
 def _changed_events(steps, batch: bool):
     """The events of a single prompt as they change (ending with end_of_content), or batch steps that changed."""
     ended = None
     for events in steps:
-        now = [e["end_of_content"] for e in events]
-        if any(e["delta"] for e in events) or now != ended:
-            if batch:
-                yield [dict(e) for e in events]
-            else:
-                yield dict(events[0])
+        now = [e.end_of_content for e in events]
+        if any(e.delta for e in events) or now != ended:
+            yield list(events) if batch else events[0]
         ended = now
+
+
+QUANT_NAMES = {True: "int8", "int8": "int8", "int4": "int4"}
+
+
+def quantized_formats(llma, spec: CheckpointSpec, quant, source: Path) -> dict[str, str]:
+    """Weight name -> format to hold the model's weights in: the checkpoint's own if it is quantized (`quant` may
+    only name the same kind), else `quant`'s plan (empty for float)."""
+    if quant not in (False, None) and quant not in QUANT_NAMES:
+        raise ConfigError(f"quant must be False, True (int8), 'int8' or 'int4', got {quant!r}")
+    wanted = QUANT_NAMES.get(quant)
+    if spec.quantization is not None:
+        if wanted is not None and wanted != spec.quantization.quant:
+            raise ConfigError(f"{source} holds {spec.quantization.quant}-quantized weights; load it with quant="
+                              f"{spec.quantization.quant!r} or without quant (requantizing is not supported)")
+        return spec.quantization.tensors
+    return llma.quantization_plan(wanted) if wanted else {}
+
+
+def _describe(formats: dict[str, str]) -> str:
+    counts = {}
+    for fmt in formats.values():
+        counts[fmt] = counts.get(fmt, 0) + 1
+    return ", ".join(f"{n} weights {fmt}" for fmt, n in sorted(counts.items()))
 
 
 def _found_tokenizer(folders: list[Path]) -> Path:

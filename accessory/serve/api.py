@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
+from accessory.generation.scheduler import Event
 from accessory.serve.engine import GenerationService, Handle, QueueFull, ServiceClosed
 
 DISCONNECT_POLL_S = 1.0  # how often a request with no new text checks whether its client is still there
@@ -228,7 +229,7 @@ async def respond(shape: Shape, body: SamplingFields, handle: Handle, request: R
         handle.cancel()  # a no-op once finished; frees the row if the client left or the task was cancelled
     if final is None:
         return JSONResponse({}, status_code=499)  # the client is gone; nobody reads this
-    return {**head, "object": shape.object, "choices": [shape.choice(final["text"], final["finish_reason"])],
+    return {**head, "object": shape.object, "choices": [shape.choice(final.text, final.finish_reason)],
             "usage": usage(handle, final)}
 
 
@@ -239,11 +240,11 @@ async def stream(shape: Shape, head: dict, handle: Handle, request: Request, inc
     try:
         first = True
         async for event in watched(handle, request):
-            if event["delta"] or first:
-                yield sse([shape.chunk_choice(event["delta"], None, first)])
+            if event.delta or first:
+                yield sse([shape.chunk_choice(event.delta, None, first)])
                 first = False
-            if event["end_of_content"]:
-                yield sse([shape.chunk_choice("", event["finish_reason"], False)])
+            if event.end_of_content:
+                yield sse([shape.chunk_choice("", event.finish_reason, False)])
                 if include_usage:
                     yield sse([], usage=usage(handle, event))
                 yield "data: [DONE]\n\n"
@@ -263,6 +264,6 @@ async def watched(handle: Handle, request: Request):
         yield event
 
 
-def usage(handle: Handle, final: dict) -> dict:
-    return {"prompt_tokens": handle.prompt_tokens, "completion_tokens": final["completion_tokens"],
-            "total_tokens": handle.prompt_tokens + final["completion_tokens"]}
+def usage(handle: Handle, final: Event) -> dict:
+    return {"prompt_tokens": handle.prompt_tokens, "completion_tokens": final.completion_tokens,
+            "total_tokens": handle.prompt_tokens + final.completion_tokens}

@@ -19,9 +19,8 @@ import threading
 from typing import Callable, Optional, Sequence
 
 from accessory.generation.chat import render_chat
-from accessory.generation.engine import lockstep
 from accessory.generation.sampling import SamplingParams
-from accessory.generation.scheduler import Request, Scheduler, row_seeds
+from accessory.generation.scheduler import Event, Request, row_seeds
 
 log = logging.getLogger(__name__)
 SAMPLING_KEYS = ("max_gen_len", "temperature", "top_p", "top_k", "repetition_penalty")
@@ -36,9 +35,8 @@ class ServiceClosed(Exception):
 
 
 class Handle:
-    """One submitted request's events, in order: {"text", "delta", "end_of_content", "finish_reason",
-    "completion_tokens"}; the last has end_of_content True. Iterate it from a thread, or `async for` it from the
-    event loop it was submitted with."""
+    """One submitted request's `Event`s, in order; the last has end_of_content True. Iterate it from a thread, or
+    `async for` it from the event loop it was submitted with."""
 
     def __init__(self, request_id: str, prompt_tokens: int, cancel: Callable[[str], None],
                  loop: Optional[asyncio.AbstractEventLoop]):
@@ -46,7 +44,7 @@ class Handle:
         self._events = asyncio.Queue() if loop is not None else queue.Queue()
         self.finished = False
 
-    def deliver(self, event: dict) -> None:  # the engine's thread
+    def deliver(self, event: Event) -> None:  # the engine's thread
         if self._loop is None:
             self._events.put(event)
             return
@@ -63,12 +61,12 @@ class Handle:
     def __iter__(self):
         while not self.finished:
             event = self._events.get()
-            self.finished = event["end_of_content"]
+            self.finished = event.end_of_content
             yield event
 
-    async def next_event(self) -> dict:
+    async def next_event(self) -> Event:
         event = await self._events.get()
-        self.finished = event["end_of_content"]
+        self.finished = event.end_of_content
         return event
 
     async def __aiter__(self):
@@ -78,13 +76,11 @@ class Handle:
 
 class GenerationService:
     def __init__(self, model, max_queue: int = 64, heartbeat_s: float = 2.0, grace_s: float = 30.0):
-        self.model, self.ctx = model, model.ctx
+        """`model`: a MetaModel; its engine's max_batch_size rows decode together, over the whole max_seq_len."""
+        self.model, self.engine, self.ctx = model, model.engine, model.ctx
         self.max_queue, self.grace_s = max_queue, grace_s
-        self.rows, self.columns = model.max_batch_size, model.llma.args.max_seq_len
-        self.scheduler = None
-        if self.ctx.is_source:
-            self.scheduler = Scheduler(model.tokenizer, model.stop_ids, self.rows, model.llma.args.vocab_size,
-                                       model.llma.rotations.device, idle_wait_s=heartbeat_s)
+        self.rows, self.columns = self.engine.settings.max_batch_size, self.engine.max_seq_len
+        self.scheduler = self.engine.scheduler(self.rows, idle_wait_s=heartbeat_s)
         self._handles: dict[str, Handle] = {}
         self._lock = threading.RLock()  # a signal handler on the main thread may take it while it is held
         self._ids = itertools.count()
@@ -173,17 +169,16 @@ class GenerationService:
 
     def run(self) -> None:
         """Drive the batch until shutdown; on the source rank, deliver each step's events to their handles."""
-        for plan in lockstep(self.model.llma, self.ctx, self.scheduler, self.rows, self.columns,
-                             keep_cache_bytes=1 << 62):
-            for request_id, event in plan.events:
-                self._deliver(request_id, event)
+        for events in self.engine.run(self.scheduler, self.rows, self.columns):
+            for event in events:
+                self._deliver(event)
         log.info("generation service stopped")
 
-    def _deliver(self, request_id: str, event: dict) -> None:
+    def _deliver(self, event: Event) -> None:
         with self._lock:
-            handle = self._handles.get(request_id)
-            if handle is not None and event["end_of_content"]:
-                del self._handles[request_id]
+            handle = self._handles.get(event.id)
+            if handle is not None and event.end_of_content:
+                del self._handles[event.id]
         if handle is not None:
             handle.deliver(event)
 

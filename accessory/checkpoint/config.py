@@ -12,11 +12,51 @@ from typing import Optional, Sequence
 
 from accessory.errors import ConfigError
 from accessory.jsonfile import read_json_object
+from accessory.quant.formats import FORMATS, GROUP
 
 log = logging.getLogger(__name__)
 
 CONFIG_FILES = ("params.json", "config.json")
-META_KEYS = {"llama_type"}
+META_KEYS = {"llama_type", "quantization"}
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """meta.json's "quantization": which weights a checkpoint holds quantized, and how (quant/formats.py).
+
+        {"quant": "int4", "group_size": 32, "tensors": {"layers.0.attention.wq.weight": "int4", ...}}
+
+    `quant` names the checkpoint's kind (the format of its block linears, or "mixed"); `tensors` maps each quantized
+    weight to its format; each is saved as its parts, `NAME.q`, `NAME.scale` and (int4) `NAME.min`."""
+    quant: str
+    tensors: dict[str, str]
+    group_size: int = GROUP
+
+    @classmethod
+    def from_json(cls, value, source: str) -> "Quantization":
+        expected = '{"quant": "int4" | "int8" | "mixed", "group_size": 32, "tensors": {name: "int4" | "int8"}}'
+        if not isinstance(value, dict) or set(value) != {"quant", "group_size", "tensors"}:
+            raise ConfigError(f"{source}: \"quantization\" must be {expected}, got {value!r}")
+        if value["group_size"] != GROUP:
+            raise ConfigError(f"{source}: quantization group_size {value['group_size']!r} is not supported; "
+                              f"this version reads groups of {GROUP}")
+        tensors = value["tensors"]
+        if not isinstance(tensors, dict) or not tensors or any(f not in FORMATS for f in tensors.values()):
+            raise ConfigError(f"{source}: quantization \"tensors\" must map weight names to one of {list(FORMATS)}")
+        if value["quant"] not in (*FORMATS, "mixed"):
+            raise ConfigError(f"{source}: quantization \"quant\" must be one of {[*FORMATS, 'mixed']}, got "
+                              f"{value['quant']!r}")
+        return cls(value["quant"], dict(tensors), value["group_size"])
+
+    @classmethod
+    def describe(cls, tensors: dict[str, str]) -> "Quantization":
+        """The record for weights `tensors`: its kind is the format of the blocks' linears (all weights', if no
+        block linear is quantized), or "mixed"."""
+        kinds = {fmt for name, fmt in tensors.items() if name.startswith("layers.")} or set(tensors.values())
+        return cls(kinds.pop() if len(kinds) == 1 else "mixed", dict(tensors))
+
+    def to_json(self) -> dict:
+        return {"quant": self.quant, "group_size": self.group_size, "tensors": self.tensors}
 
 
 @dataclass
@@ -24,6 +64,7 @@ class CheckpointSpec:
     folders: list[Path]
     llama_type: str
     config: dict  # merged model config values (keys of the llama_type's ModelArgs)
+    quantization: Optional[Quantization] = None  # the last folder's; None: float weights
 
 
 def read_spec(folders: Sequence[Path], llama_type: Optional[str] = None,
@@ -31,14 +72,17 @@ def read_spec(folders: Sequence[Path], llama_type: Optional[str] = None,
     """Merge meta.json / params.json / config.json of every folder, then `llama_config`; check every key."""
     from accessory.model.LLM import model_classes
 
-    found_type, config_files = None, []
+    found_type, config_files, quantization = None, [], None
     for folder in folders:
         meta_path = folder / "meta.json"
+        quantization = None  # a later folder's weights replace the earlier ones': its own say counts
         if meta_path.is_file():
             meta = read_json_object(meta_path, ConfigError)
             if unknown := sorted(set(meta) - META_KEYS):
                 raise ConfigError(f"{meta_path}: unknown key(s) {unknown}; meta.json holds {sorted(META_KEYS)}")
             found_type = meta.get("llama_type", found_type)
+            if "quantization" in meta:
+                quantization = Quantization.from_json(meta["quantization"], str(meta_path))
         config_files += [folder / name for name in CONFIG_FILES if (folder / name).is_file()]
     config_files += [Path(p) for p in llama_config]
 
@@ -51,7 +95,7 @@ def read_spec(folders: Sequence[Path], llama_type: Optional[str] = None,
         model_args.check_keys(values, str(path))
         config.update(values)
     log.info("llama_type %s, config from %s", llama_type, [str(p) for p in config_files])
-    return CheckpointSpec(list(folders), llama_type, config)
+    return CheckpointSpec(list(folders), llama_type, config, quantization)
 
 
 def resolved_config(config: dict, tokenizer, source: str) -> dict:

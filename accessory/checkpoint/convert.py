@@ -34,26 +34,29 @@ SELF_DESCRIBING = ("hf", "gguf")
 
 def convert(source: str, src: Path, dst: Path, shards: Optional[int] = 1, dtype: Optional[torch.dtype] = None,
             target: str = "accessory", llama_type: Optional[str] = None, llama_config: Sequence[str] = (),
-            tokenizer_path=None, max_shard_bytes: int = 5 << 30) -> Path:
-    """Convert checkpoint `src` of format `source` into a new folder `dst` of format `target`."""
+            tokenizer_path=None, max_shard_bytes: int = 5 << 30, keep_quantized: bool = False) -> Path:
+    """Convert checkpoint `src` of format `source` into a new folder `dst` of format `target`. `keep_quantized`
+    (GGUF to accessory): Q8_0 / Q4_0 / Q4_1 tensors keep their bits, as int8 / int4."""
     _check_request(source, target, Path(src), Path(dst), shards, llama_type, llama_config, tokenizer_path)
+    if keep_quantized and (source, target) != ("gguf", "accessory"):
+        raise CheckpointError("--keep-quantized applies to GGUF sources converted to accessory shards")
     log.info("converting %s checkpoint %s to %s at %s", source, src, target, dst)
     with tempfile.TemporaryDirectory(prefix="accessory-import-") as work:
-        model = read(source, Path(src), Path(work), llama_type, llama_config, tokenizer_path)
+        model = read(source, Path(src), Path(work), llama_type, llama_config, tokenizer_path, keep_quantized)
         if target == "hf":
             from accessory.checkpoint.importers import write_hf
             return write_hf(model, dst, dtype, max_shard_bytes, source=str(src))
         return save_checkpoint(dst, model.state_dict, model.config, shards or 1, model.tokenizer_files,
-                               model.llama_type, dtype=dtype)
+                               model.llama_type, dtype=dtype, quantization=model.quantization)
 
 
 def read(source: str, src: Path, workdir: Path, llama_type=None, llama_config: Sequence[str] = (),
-         tokenizer_path=None):
+         tokenizer_path=None, keep_quantized: bool = False):
     """`src` in canonical form (an ImportedModel)."""
     from accessory.checkpoint import importers
 
     if source == "gguf":
-        return importers.read_gguf(src, workdir)
+        return importers.read_gguf(src, workdir, keep_quantized)
     if source == "hf":
         return importers.read_hf(src)
     tokenizer_path = _canonical_tokenizer(tokenizer_path, workdir)

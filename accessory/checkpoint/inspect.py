@@ -29,6 +29,7 @@ class Report:
     files: list[str] = field(default_factory=list)
     dtypes: list[str] = field(default_factory=list)
     parameters: Optional[int] = None
+    quantization: Optional[str] = None  # "int8", "int4" or "mixed" for a quantized checkpoint
     llama_type: Optional[str] = None
     config: dict = field(default_factory=dict)
     tokenizer: Optional[dict] = None
@@ -116,7 +117,6 @@ def _check_pieces(report: Report, folder: Path, opened: list[dict], shapes: dict
         except AccessoryError as e:
             report.problems.append(str(e))
     report.dtypes = sorted(dtypes)
-    report.parameters = sum(math.prod(shape) for shape in shapes.values())
 
 
 def _describe_model(report: Report, folders: list[Path], tokenizer_path=None) -> Optional[dict]:
@@ -138,7 +138,10 @@ def _describe_model(report: Report, folders: list[Path], tokenizer_path=None) ->
         spec = read_spec(folders)
         report.llama_type, report.config = spec.llama_type, dict(spec.config)
         config = resolved_config(spec.config, tokenizer, str(folders[-1]))
-        shapes = model_layout(spec.llama_type, config, f"config of {folders[-1]}")
+        formats = spec.quantization.tensors if spec.quantization else None
+        report.quantization = spec.quantization.quant if spec.quantization else None
+        shapes = model_layout(spec.llama_type, config, f"config of {folders[-1]}", formats)
+        report.parameters = sum(math.prod(shape) for shape in model_layout(spec.llama_type, config, "").values())
     except AccessoryError as e:
         report.problems.append(str(e))
         return None
@@ -236,6 +239,8 @@ def format_report(report: Report) -> str:
              f"dtype:       {', '.join(report.dtypes) or 'unknown'}",
              f"parameters:  {report.parameters:,}" if report.parameters is not None else "parameters:  unknown",
              f"llama_type:  {report.llama_type or 'unknown'}"]
+    if report.quantization:
+        lines.append(f"quantized:   {report.quantization} (weight-only, groups of 32; see meta.json)")
     if report.tokenizer:
         t = report.tokenizer
         lines.append(f"tokenizer:   {t['file']} ({t['kind']}), {t['vocab_size']} tokens, bos {t['bos_id']}, "

@@ -13,8 +13,9 @@ output shards with the same `copy_sum`, so what they write is what loading the i
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from tqdm import tqdm
 from accessory.checkpoint.formats import ADDITIVE, IGNORED_KEYS, Piece, find_shards, read_shard
 from accessory.errors import CheckpointError
 from accessory.parallel import Shard, global_shape, shard_of
+from accessory.quant.weight import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -53,16 +55,65 @@ def open_checkpoint(folders: Sequence[Path]) -> dict[str, list[Term]]:
 
 
 def load_weights(model: nn.Module, folders: Sequence[Path], progress: bool = True) -> None:
-    """Fill every parameter of a materialized model from the checkpoint folders; keys must match exactly."""
+    """Fill every tensor of a materialized model from the checkpoint folders; keys must match exactly.
+
+    A quantized weight (quant/weight.py) loads its parts as they are from a quantized checkpoint, or is quantized
+    while loading from a float one: this rank's float slice, one tensor at a time, so no float copy of the whole
+    model ever exists."""
     sources = open_checkpoint(folders)
-    params = dict(model.named_parameters())
-    wanted = {model.checkpoint_key(name) for name in params}
-    problem = key_mismatch(sources.keys(), wanted)
+    units = _load_units(model, sources)
+    problem = key_mismatch(sources.keys(), {key for keys, _ in units for key in keys})
     if problem:
         raise CheckpointError(f"{', '.join(str(f) for f in folders)}: {problem}")
-    for name, param in tqdm(params.items(), desc="loading weights", disable=not progress, leave=False):
+    for keys, load in tqdm(units, desc="loading weights", disable=not progress, leave=False):
+        load()
+
+
+def _load_units(model: nn.Module, sources: dict[str, list[Term]]) -> list[tuple[list[str], Callable[[], None]]]:
+    """(the checkpoint keys it reads, how to load it) for each tensor, or quantized weight, of the model."""
+    units = []
+    for name, tensor in _distinct_tensors(model).items():
+        owner_name, _, part = name.rpartition(".")
+        owner = model.get_submodule(owner_name) if owner_name else model
         key = model.checkpoint_key(name)
-        copy_sum(param.data, sources[key], shard_of(model, name), key)
+        if not isinstance(owner, QuantizedWeight):
+            units.append(([key], partial(copy_sum, tensor.data, sources.get(key), shard_of(model, name), key)))
+        elif model.checkpoint_key(owner_name) in sources:  # a float checkpoint: quantize this rank's slice
+            if part == "q":
+                float_key = model.checkpoint_key(owner_name)
+                units.append(([float_key], partial(_quantize_slice, owner, sources[float_key], float_key)))
+        else:
+            units.append(([key], partial(_copy_part, tensor, sources.get(key), shard_of(model, name), key)))
+    return units
+
+
+def _distinct_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor a checkpoint fills (parameters and quantized parts), each once: a tensor two modules share (a
+    tied output at one rank) under its first name."""
+    seen, tensors = set(), {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            tensors[name] = tensor
+    return tensors
+
+
+def _quantize_slice(weight: QuantizedWeight, terms: list[Term], key: str) -> None:
+    local = torch.empty(weight.shape, dtype=torch.float32, device=weight.q.device)
+    copy_sum(local, terms, weight.shard, key)
+    weight.quantize_from(local)
+
+
+def _copy_part(part: torch.Tensor, terms: list[Term], shard: Optional[Shard], key: str) -> None:
+    if len(terms) > 1:
+        raise CheckpointError(f"{terms[-1].folder}: a delta cannot be added to the quantized tensor {key!r} of "
+                              f"{terms[0].folder}; apply deltas to float weights, then quantize")
+    for term in terms:
+        dtype = term.pieces[0].dtype
+        if dtype is not None and dtype != part.dtype:
+            raise CheckpointError(f"{term.folder}: quantized tensor {key!r} is {dtype}; its format stores "
+                                  f"{part.dtype}")
+    copy_sum(part, terms, shard, key)
 
 
 def copy_sum(dest: torch.Tensor, terms: list[Term], shard: Optional[Shard], key: str,

@@ -18,13 +18,13 @@ import torch
 from tqdm import tqdm
 
 from accessory.checkpoint.config import CONFIG_FILES, read_spec, resolved_config
-from accessory.checkpoint.formats import ADDITIVE, IGNORED_KEYS, find_shards, shard_name
+from accessory.checkpoint.formats import ADDITIVE, IGNORED_KEYS, find_shards
 from accessory.checkpoint.load import Term, _layout, copy_sum, open_checkpoint
-from accessory.checkpoint.save import atomic_folder
+from accessory.checkpoint.save import atomic_folder, is_quantized_part, meta_model, write_shard
 from accessory.errors import CheckpointError
 from accessory.model.LLM import model_classes
 from accessory.model.tokenizer import SIDE_FILES, TOKENIZER_FILES, find_tokenizer_for
-from accessory.parallel import ParallelContext, Shard, global_shape, shard_of
+from accessory.parallel import Shard, global_shape, shard_of
 
 log = logging.getLogger(__name__)
 
@@ -45,27 +45,30 @@ def reshard(src: Path, dst: Path, shards: int, dtype: Optional[torch.dtype] = No
 def write_streamed(dst: Path, kind: str, folders: Sequence[Path], shards: int, recipe: Recipe,
                    dtype: Optional[torch.dtype], verb: str) -> Path:
     """Write the tensors `recipe` describes as `shards` shard files of format `kind` in a new folder `dst`, each the
-    float32 sum of its terms rounded once to `dtype` (default: the first term's dtype), or a plain copy."""
+    float32 sum of its terms rounded once to `dtype` (default: the first term's dtype), or a plain copy. A
+    quantized checkpoint's parts are cut as they are (in safetensors files, as save.py writes them)."""
     refuse_overlap(dst, folders)
-    args, transformer, llama_type = _model_type(folders)
+    args, transformer, llama_type, quantization = _model_type(folders)
     args.check_parallel_size(shards)
+    if quantization is not None and (len(folders) > 1 or kind != "accessory"):
+        raise CheckpointError(f"{folders[-1]} is quantized ({quantization.quant}): it can be resharded, but deltas "
+                              f"are taken between float checkpoints (quantize after applying them)")
+    formats = quantization.tensors if quantization else None
 
     def opened() -> dict[str, list[Term]]:
         return {key: terms for key, terms in recipe().items() if key not in IGNORED_KEYS}  # Meta's rope.freqs
 
     terms = opened()
-    with torch.device("meta"):
-        _check_layouts(terms, transformer(args, _meta_ctx(0, shards)), shards)
+    _check_layouts(terms, meta_model(transformer, args, 0, shards, formats), shards)
     count = len(terms)
     del terms  # holds the inputs' mappings: each output shard opens its own
     log.info("%s %s (%s, %d tensors) into %d shard(s) at %s", verb, ", ".join(map(str, folders)), llama_type,
              count, shards, dst)
     with atomic_folder(dst) as tmp, tqdm(total=shards * count, desc=f"{verb} {dst.name}", leave=False) as bar:
         for rank in range(shards):
-            with torch.device("meta"):
-                model = transformer(args, _meta_ctx(rank, shards))
+            model = meta_model(transformer, args, rank, shards, formats)
             out = _cut(opened(), model, rank, dtype, bar)  # reopened: the last shard's mapped pages are let go
-            torch.save(out, tmp / shard_name(kind, rank, shards))
+            write_shard(out, tmp, kind, rank, shards, safetensors=quantization is not None)
             del out
         _copy_files(folders, tmp)
     return dst
@@ -78,22 +81,19 @@ def refuse_overlap(dst: Path, folders: Sequence[Path]) -> None:
                                   f"outside the inputs (inputs are never overwritten)")
 
 
-def _meta_ctx(rank: int, shards: int) -> ParallelContext:
-    return ParallelContext(None, rank, shards, 0)
-
-
 def _model_type(folders: Sequence[Path]):
-    """(ModelArgs, Transformer class, llama_type) from the folders' config files, merged as loading merges them."""
+    """(ModelArgs, Transformer class, llama_type, Quantization or None) from the folders' config files, merged as
+    loading merges them."""
     spec = read_spec(list(folders))
     model_args, transformer = model_classes(spec.llama_type)
     config = resolved_config(spec.config, find_tokenizer_for(folders), str(folders[-1]))
-    return model_args.from_dict(config, source=f"config of {folders[-1]}"), transformer, spec.llama_type
+    args = model_args.from_dict(config, source=f"config of {folders[-1]}")
+    return args, transformer, spec.llama_type, spec.quantization
 
 
 def _saved_params(model) -> dict:
-    """Checkpoint name -> (meta parameter, its Shard) for the tensors a checkpoint of `model` holds."""
-    return {name: (p, shard_of(model, name)) for name, p in model.named_parameters()
-            if model.checkpoint_key(name) == name}  # a tied output is not saved: it loads from tok_embeddings
+    """Checkpoint name -> (meta tensor, its Shard) for the tensors a checkpoint of `model` holds."""
+    return {name: (t, shard_of(model, name)) for name, t in model.saved_tensors().items()}
 
 
 def _check_layouts(terms: dict[str, list[Term]], model, shards: int) -> None:
@@ -125,7 +125,8 @@ def _cut(terms: dict[str, list[Term]], model, rank: int, dtype, bar) -> dict[str
     scratch = torch.empty(max(sizes), dtype=torch.float32) if sizes else None
     out = {}
     for key, (shape, shard, key_terms) in plans.items():
-        dest = torch.empty(shape, dtype=dtype or key_terms[0].pieces[0].dtype)
+        keep_dtype = dtype is None or (key in params and is_quantized_part(model, key))
+        dest = torch.empty(shape, dtype=key_terms[0].pieces[0].dtype if keep_dtype else dtype)
         copy_sum(dest, key_terms, shard, key, scratch)
         out["llma." + key] = dest
         bar.update()

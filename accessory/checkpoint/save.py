@@ -4,6 +4,10 @@ Every rank's slice is cut with the same `Shard`s the loader reads with (a meta-d
 each shard holds), so what is saved is exactly what loading expects. The folder is written under a temporary name
 beside the destination and renamed into place at the end: a crash leaves no half-written checkpoint, and an
 existing destination is never overwritten.
+
+A quantized checkpoint is written as safetensors shards (consolidated.NN-of-MM.model.safetensors), each quantized
+weight as its parts (NAME.q, NAME.scale, NAME.min: quant/formats.py), with meta.json saying which weights are
+quantized and how (checkpoint/config.py `Quantization`).
 """
 from __future__ import annotations
 
@@ -18,26 +22,29 @@ from typing import Iterator, Optional, Sequence
 import torch
 from tqdm import tqdm
 
+from accessory.checkpoint.config import Quantization
 from accessory.checkpoint.formats import shard_name
 from accessory.errors import CheckpointError
 from accessory.model.LLM import model_classes
 from accessory.parallel import ParallelContext, global_shape, shard_of
+from accessory.quant.weight import QuantizedWeight
 
 
 def save_checkpoint(dst: Path, state_dict: dict[str, torch.Tensor], config: dict, shards: int,
                     tokenizer_files: Sequence[Path] = (), llama_type: str = "llama",
-                    dtype: Optional[torch.dtype] = None) -> Path:
-    """Save full (unsharded) tensors, keyed by Meta names, as `shards` shard files in a new folder `dst`."""
+                    dtype: Optional[torch.dtype] = None, quantization: Optional[dict[str, str]] = None) -> Path:
+    """Save full (unsharded) tensors, keyed by Meta names, as `shards` shard files in a new folder `dst`.
+    `quantization`: weight name -> format of the weights given as quantized parts (`dtype` leaves those alone)."""
     dst = Path(dst)
     model_args, transformer = model_classes(llama_type)
     args = model_args.from_dict(config, source="config to save")
+    record = Quantization.describe(quantization) if quantization else None
+    meta = {"llama_type": llama_type, **({"quantization": record.to_json()} if record else {})}
     with atomic_folder(dst) as tmp:
         for rank in tqdm(range(shards), desc=f"writing {dst.name}", leave=False):
-            with torch.device("meta"):
-                model = transformer(args, ParallelContext(None, rank, shards, 0))
-            shard = _cut_shard(model, state_dict, dtype)
-            torch.save(shard, tmp / shard_name("accessory", rank, shards))
-        (tmp / "meta.json").write_text(json.dumps({"llama_type": llama_type}, indent=2) + "\n")
+            model = meta_model(transformer, args, rank, shards, quantization)
+            write_shard(_cut_shard(model, state_dict, dtype), tmp, "accessory", rank, shards, safetensors=bool(record))
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(args.to_dict(), indent=2) + "\n")
         for path in tokenizer_files:
             shutil.copyfile(path, tmp / Path(path).name)
@@ -69,9 +76,33 @@ def atomic_folder(dst: Path) -> Iterator[Path]:
         raise
 
 
+def meta_model(transformer, args, rank: int, shards: int, quantization: Optional[dict[str, str]] = None):
+    """The model as rank `rank` of `shards` holds it, on the meta device: what one shard file holds."""
+    with torch.device("meta"):
+        model = transformer(args, ParallelContext(None, rank, shards, 0))
+    if quantization:
+        model.quantize_(quantization)
+    return model
+
+
+def write_shard(tensors: dict[str, torch.Tensor], folder: Path, kind: str, rank: int, shards: int,
+                safetensors: bool) -> None:
+    if safetensors:
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(folder / shard_name(kind, rank, shards, "safetensors")), metadata={"format": "pt"})
+    else:
+        torch.save(tensors, folder / shard_name(kind, rank, shards))
+
+
+def is_quantized_part(model, name: str) -> bool:
+    owner = name.rpartition(".")[0]
+    return bool(owner) and isinstance(model.get_submodule(owner), QuantizedWeight)
+
+
 def _cut_shard(model, state_dict: dict[str, torch.Tensor], dtype) -> dict[str, torch.Tensor]:
-    # A parameter whose checkpoint key is another's (tied output) is not saved: it loads from that tensor.
-    params = {name: p for name, p in model.named_parameters() if model.checkpoint_key(name) == name}
+    # A tensor whose checkpoint key is another's (tied output) is not saved: it loads from that tensor.
+    params = model.saved_tensors()
     missing, unexpected = sorted(params.keys() - state_dict.keys()), sorted(state_dict.keys() - params.keys())
     if missing or unexpected:
         raise CheckpointError(f"state dict to save does not match the model: missing {missing}, "
@@ -84,6 +115,8 @@ def _cut_shard(model, state_dict: dict[str, torch.Tensor], dtype) -> dict[str, t
             raise CheckpointError(f"tensor {name!r} has shape {list(tensor.shape)}, the config says {expected}")
         if shard is not None:
             tensor = tensor.narrow(shard.dim, shard.start, shard.stop - shard.start)
+        if dtype is not None and not is_quantized_part(model, name):
+            tensor = tensor.to(dtype)
         # clone: torch.save of a view would write the whole underlying storage
-        out["llma." + name] = tensor.to(dtype or tensor.dtype).clone().contiguous()
+        out["llma." + name] = tensor.clone().contiguous()
     return out

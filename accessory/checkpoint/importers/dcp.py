@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from accessory.checkpoint.config import read_spec, resolved_config
 from accessory.checkpoint.formats import IGNORED_KEYS
-from accessory.checkpoint.importers import ImportedModel, _clip
+from accessory.checkpoint.importers.common import ImportedModel, _clip
 from accessory.checkpoint.importers.shards import model_layout
 from accessory.checkpoint.load import key_mismatch
 from accessory.errors import CheckpointError

@@ -1,4 +1,15 @@
-"""llama.cpp GGUF files (architecture "llama") -> canonical form, dequantized to float32 by the `gguf` package.
+"""llama.cpp GGUF files (architecture "llama") -> canonical form, dequantized to float32 by the `gguf` package, or
+with `keep_quantized` keeping Q8_0, Q4_0 and Q4_1 tensors' bits as our int8 / int4 formats (quant/formats.py):
+
+| GGUF block (32 values)          | ours  | q                 | scale | min        |
+|---------------------------------|-------|-------------------|-------|------------|
+| Q8_0: d fp16, 32 x int8         | int8  | the int8 values   | d     |            |
+| Q4_1: d, m fp16, 16 bytes       | int4  | the 16 bytes      | d     | m          |
+| Q4_0: d fp16, 16 bytes          | int4  | the 16 bytes      | d     | -8 * d     |
+
+The nibble order within a block is ours too, so nothing is repacked, and every value dequantizes to exactly what
+the `gguf` package gives (d * q + m, d * q - 8 * d and d * q are all exact or rounded once alike). Other types are
+dequantized.
 
 llama.cpp's converter permutes HF's q/k back to Meta's interleaved RoPE layout before writing, so attn_q / attn_k
 are taken as they are (tests/test_importers.py pins this against transformers' GGUF loader, which applies the HF
@@ -8,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -16,7 +28,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from accessory.checkpoint.importers import (ImportedModel, check_shapes, expand_templates, rename_strict,
+from accessory.checkpoint.importers.common import (ImportedModel, check_shapes, expand_templates, rename_strict,
                                             validated_args)
 from accessory.errors import CheckpointError, ConfigError
 
@@ -42,16 +54,17 @@ _LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_m
 _REQUIRED = object()
 
 
-def read_gguf(path, workdir) -> ImportedModel:
+def read_gguf(path, workdir, keep_quantized: bool = False) -> ImportedModel:
     """Read a llama.cpp GGUF file of architecture "llama": weights dequantized to float32 under canonical names
     (no `output.weight` when the file has none, i.e. tied embeddings), the config from its `llama.*` metadata, and
     the tokenizer rebuilt by transformers from the file's metadata and saved into `workdir` (tokenizer.json,
     tokenizer_config.json, chat_template.jinja when the file has one, and a generation_config.json holding the
-    bos / eos / pad token ids)."""
+    bos / eos / pad token ids). `keep_quantized`: Q8_0 / Q4_0 / Q4_1 matrices stay quantized (their parts under
+    `NAME.q`, `NAME.scale`, `NAME.min`; the formats in `ImportedModel.quantization`)."""
     path, workdir = Path(path), Path(workdir)
     reader = _open(path)
     config = config_from_gguf(reader, str(path))
-    weights = _dequantize_all(reader, path)
+    weights = _read_all(reader, path, keep_quantized)
     rope_freqs = weights.pop(ROPE_FREQS, None)
     if rope_freqs is not None:
         if config["rope_scaling"] is not None:
@@ -60,10 +73,19 @@ def read_gguf(path, workdir) -> ImportedModel:
     config["tie_word_embeddings"] = "output.weight" not in weights
     args = validated_args(config, source=str(path))
     names = expand_templates(GGUF_TO_META, args.n_layers)
-    state_dict = rename_strict(weights, names, str(path), optional=frozenset({"output.weight"}))
-    check_shapes(state_dict, args, str(path))
+    renamed = rename_strict(weights, names, str(path), optional=frozenset({"output.weight"}))
+    quantization = {name: value.fmt for name, value in renamed.items() if isinstance(value, Kept)}
+    check_shapes({name: value.shape if isinstance(value, Kept) else tuple(value.shape)
+                  for name, value in renamed.items()}, args, str(path))
+    state_dict = {}
+    for name, value in renamed.items():
+        if isinstance(value, Kept):
+            state_dict.update((f"{name}.{part}", tensor) for part, tensor in value.parts.items())
+        else:
+            state_dict[name] = value
     tokenizer_files = _save_tokenizer(reader, path, workdir)
-    return ImportedModel(state_dict=state_dict, config=config, tokenizer_files=tokenizer_files)
+    return ImportedModel(state_dict=state_dict, config=config, tokenizer_files=tokenizer_files,
+                         quantization=quantization)
 
 
 def config_from_gguf(reader: gguf.GGUFReader, source: str) -> dict:
@@ -151,9 +173,42 @@ def _open(path: Path) -> gguf.GGUFReader:
     return reader
 
 
-def _dequantize_all(reader: gguf.GGUFReader, path: Path) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class Kept:
+    """A GGUF matrix whose quantized bits are kept: its parts in one of our formats, and its float shape."""
+    fmt: str
+    parts: dict
+    shape: tuple
+
+
+# GGUF block type -> (our format, bytes per block of 32 values)
+KEPT_TYPES = {"Q8_0": ("int8", 34), "Q4_0": ("int4", 18), "Q4_1": ("int4", 20)}
+
+
+def kept_parts(data: np.ndarray, type_name: str) -> dict[str, torch.Tensor]:
+    """Our format's parts from a GGUF matrix's raw blocks `data` (rows, bytes per row), without dequantizing."""
+    fmt, block = KEPT_TYPES[type_name]
+    blocks = np.ascontiguousarray(data).reshape(data.shape[0], -1, block)  # (rows, groups, block bytes)
+    scale = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])  # (rows, groups)
+    if type_name == "Q8_0":
+        return {"q": torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(data.shape[0], -1)),
+                "scale": scale}
+    if type_name == "Q4_1":
+        minimum = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0])
+        q = blocks[..., 4:]
+    else:  # Q4_0: d * (q - 8) = d * q + (-8 d); -8 d is exact in float16
+        minimum, q = (scale.float() * -8).half(), blocks[..., 2:]
+    return {"q": torch.from_numpy(q.copy().reshape(data.shape[0], -1)), "scale": scale, "min": minimum}
+
+
+def _read_all(reader: gguf.GGUFReader, path: Path, keep_quantized: bool) -> dict:
+    """GGUF name -> a float32 tensor (dequantized), or a Kept matrix."""
     weights = {}
-    for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", unit="tensor"):
+    for t in tqdm(reader.tensors, desc=f"reading {path.name}", unit="tensor"):
+        shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dimensions fastest-first
+        if keep_quantized and t.tensor_type.name in KEPT_TYPES and len(shape) == 2:
+            weights[t.name] = Kept(KEPT_TYPES[t.tensor_type.name][0], kept_parts(t.data, t.tensor_type.name), shape)
+            continue
         try:
             values = gguf.quants.dequantize(t.data, t.tensor_type)  # float32, numpy order (out, in)
         except NotImplementedError as e:
@@ -161,8 +216,7 @@ def _dequantize_all(reader: gguf.GGUFReader, path: Path) -> dict[str, torch.Tens
                                   f"{getattr(gguf, '__version__', '')} cannot dequantize: {e}") from e
         if not values.flags.writeable:  # F32 tensors come back as a view of the read-only memory map
             values = values.copy()
-        # GGUF lists dimensions fastest-first (in, out); numpy / torch order is the reverse.
-        weights[t.name] = torch.from_numpy(values.reshape(tuple(int(n) for n in reversed(t.shape))))
+        weights[t.name] = torch.from_numpy(values.reshape(shape))
     return weights
 
 

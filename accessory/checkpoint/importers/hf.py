@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
-from accessory.checkpoint.importers import (ImportedModel, check_shapes, expand_templates, rename_strict,
+from accessory.checkpoint.importers.common import (ImportedModel, check_shapes, expand_templates, rename_strict,
                                             validated_args)
 from accessory.errors import CheckpointError, ConfigError
 from accessory.jsonfile import read_json_object
@@ -75,7 +75,7 @@ def read_hf(folder) -> ImportedModel:
     elif "output.weight" not in state_dict:
         raise CheckpointError(f"{source}: missing weight lm_head.weight, and {config_path} says "
                               f"tie_word_embeddings is false")
-    check_shapes(state_dict, args, source)
+    check_shapes({name: tuple(t.shape) for name, t in state_dict.items()}, args, source)
     for i in range(args.n_layers):
         wq, wk = f"layers.{i}.attention.wq.weight", f"layers.{i}.attention.wk.weight"
         state_dict[wq] = hf_to_meta_qk(state_dict[wq], args.n_heads)
@@ -271,7 +271,7 @@ def hf_state_dict(state_dict: dict[str, torch.Tensor], args, source: str) -> dic
     """Canonical tensors -> HF names, q/k permuted to rotate-half; the inverse of `read_hf`'s renaming."""
     to_hf = {ours: theirs for theirs, ours in expand_templates(HF_TO_META, args.n_layers).items()}
     out = rename_strict(state_dict, to_hf, source, optional=frozenset({"lm_head.weight"}))
-    check_shapes(state_dict, args, source)
+    check_shapes({name: tuple(t.shape) for name, t in state_dict.items()}, args, source)
     if args.tie_word_embeddings:
         out.pop("lm_head.weight", None)  # HF ties it to embed_tokens when loading
     elif "lm_head.weight" not in out:

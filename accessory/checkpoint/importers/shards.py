@@ -9,26 +9,25 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Sequence
 
-import torch
 from tqdm import tqdm
 
 from accessory.checkpoint.config import read_spec, resolved_config
-from accessory.checkpoint.importers import ImportedModel
+from accessory.checkpoint.importers.common import ImportedModel
 from accessory.checkpoint.load import assemble, key_mismatch, open_checkpoint
 from accessory.errors import CheckpointError
 from accessory.model.tokenizer import find_tokenizer_for
 
 
-def model_layout(llama_type: str, config: dict, source: str) -> dict[str, tuple[int, ...]]:
-    """Checkpoint key -> full tensor shape, for the tensors a model of this llama_type and config loads."""
+def model_layout(llama_type: str, config: dict, source: str,
+                 quantization: Optional[dict[str, str]] = None) -> dict[str, tuple[int, ...]]:
+    """Checkpoint key -> full tensor shape, for the tensors a model of this llama_type and config loads (the parts
+    of the weights `quantization` names, for a quantized checkpoint)."""
+    from accessory.checkpoint.save import meta_model
     from accessory.model.LLM import model_classes
-    from accessory.parallel import ParallelContext
 
     model_args, transformer = model_classes(llama_type, source=source)
     args = model_args.from_dict(config, source=source)
-    with torch.device("meta"):
-        model = transformer(args, ParallelContext(None, 0, 1, 0))
-    return {model.checkpoint_key(name): tuple(p.shape) for name, p in model.named_parameters()}
+    return {name: tuple(t.shape) for name, t in meta_model(transformer, args, 0, 1, quantization).saved_tensors().items()}
 
 
 def read_sharded(folder, llama_type: Optional[str] = None, llama_config: Sequence[str] = (),
@@ -38,6 +37,9 @@ def read_sharded(folder, llama_type: Optional[str] = None, llama_config: Sequenc
     `llama_config`), and its tokenizer files. CheckpointError naming the file and key on any mismatch."""
     folder = Path(folder)
     spec = read_spec([folder], llama_type, llama_config)
+    if spec.quantization is not None:
+        raise CheckpointError(f"{folder} is quantized ({spec.quantization.quant}); only float checkpoints convert "
+                              f"to other formats (convert the float original, or reshard this one)")
     tokenizer = find_tokenizer_for([folder], tokenizer_path)
     config = resolved_config(spec.config, tokenizer, str(folder))
     shapes = model_layout(spec.llama_type, config, f"config of {folder}")

@@ -330,9 +330,11 @@ class FakeModel:
         self.ends, self.part, self.seen = ends, part, []
 
     def stream_generate(self, prompts, additional_stop_symbols=(), **sampling):
+        from accessory.generation.scheduler import Event
+
         for step in range(max(self.ends) + 1):
             self.seen.append(len(read_jsonl(self.part)) if self.part.exists() else 0)
-            yield [{"text": f"{p}!", "delta": "", "end_of_content": step >= end} for p, end in zip(prompts, self.ends)]
+            yield [Event(k, f"{p}!", "", step >= end) for k, (p, end) in enumerate(zip(prompts, self.ends))]
 
 
 def test_each_record_is_flushed_the_step_it_ends():
@@ -346,7 +348,7 @@ def test_each_record_is_flushed_the_step_it_ends():
         model = FakeModel([2, 0, 1], part)
         writer = PartWriter(part)
         jobs = [Job(i + 1, f"j{i}", f"p{i}", (), 1) for i in range(3)]
-        generate_jobs(model, jobs, SAMPLING, 8, lambda job, text: writer.write(row(job.id, text)))
+        generate_jobs(model, jobs, SAMPLING, 8, lambda job, event: writer.write(row(job.id, event.text)))
         writer.close()
         assert model.seen == [0, 1, 2]  # before step 1, row 1 (ended at step 0) is already in the part
         assert [r["id"] for r in read_jsonl(part)] == ["j1", "j2", "j0"]

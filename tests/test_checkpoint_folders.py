@@ -75,8 +75,6 @@ def test_not_built_yet_is_refused(tiny_checkpoints):
 
     with pytest.raises(NotImplementedError, match="with_visual"):
         MetaModel.from_pretrained(tiny_checkpoints["mha", 1], with_visual=True)
-    with pytest.raises(NotImplementedError, match="quant"):
-        MetaModel.from_pretrained(tiny_checkpoints["mha", 1], quant=True)
 
 
 def test_save_refuses_to_overwrite(tiny_checkpoints):

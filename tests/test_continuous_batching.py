@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from tiny import forward_batch_sizes, greedy_ids
+from tiny import StepRows, greedy_ids
 
 PROMPTS = ["Hi", "The quick brown fox", "Tensor parallel inference is a way to", "Once upon a time there was",
            "Hello there"]
@@ -29,17 +29,14 @@ def request(model, row, prompt, max_gen_len=12, seed=0, **sampling):
 
 def drive(model, arrivals: dict, rows: int, cancels: dict = None):
     """Run the engine on this rank; on the source, add arrivals[step] (requests) and cancel cancels[step] (ids)
-    before that step's plan. Returns (plans, the source's requests by id)."""
-    from accessory.generation.engine import lockstep
-    from accessory.generation.scheduler import Scheduler
+    before that step's plan. Returns (the plans every rank ran, the source's requests by id)."""
+    engine, cancels = model.engine, cancels or {}
+    stop_ids, engine.stop_ids = engine.stop_ids, set()
+    scheduler, requests, plans = engine.scheduler(rows), {}, []
+    if scheduler is not None:
+        step_of = scheduler.step
 
-    llma, cancels = model.llma, cancels or {}
-    scheduler, requests = None, {}
-    if llma.ctx.is_source:
-        scheduler = Scheduler(model.tokenizer, (), rows, llma.args.vocab_size, llma.rotations.device)
-        plan_of = scheduler.plan
-
-        def plan_with_arrivals(logits, step=iter(range(10 ** 6))):
+        def step_with_arrivals(logits, step=iter(range(10 ** 6))):
             now = next(step)
             for r in arrivals.get(now, []):
                 requests[r.id] = r
@@ -48,10 +45,18 @@ def drive(model, arrivals: dict, rows: int, cancels: dict = None):
                 scheduler.cancel(request_id)
             if now == max(arrivals):
                 scheduler.close()
-            return plan_of(logits)
+            return step_of(logits)
 
-        scheduler.plan = plan_with_arrivals
-    plans = list(lockstep(llma, llma.ctx, scheduler, rows, 128))
+        scheduler.step = step_with_arrivals
+    next_plan = engine._next_plan
+    engine._next_plan = lambda *args: record(next_plan(*args))  # each plan as every rank received it
+    record = lambda plan_and_events: plans.append(plan_and_events[0]) or plan_and_events  # noqa: E731
+    try:
+        for _ in engine.run(scheduler, rows, 128):
+            pass
+    finally:
+        del engine._next_plan  # the instance attribute: the method again
+        engine.stop_ids = stop_ids
     return plans, requests
 
 
@@ -59,20 +64,20 @@ def test_a_request_arriving_mid_decode_joins_the_running_batch(model):
     first, late = request(model, "a", PROMPTS[2], 16), request(model, "b", PROMPTS[1], 8)
     plans, requests = drive(model, {0: [first], 4: [late]}, rows=4)
     joined = next(plan for plan in plans if plan.admit and plan.keep)  # b prefills while a keeps decoding
-    assert joined.keep == [0] and joined.admit == [late.tokens]
+    assert joined.keep == (0,) and joined.admit == (tuple(late.tokens),)
     alone = greedy_ids(model, [first.tokens, late.tokens], 16)
     assert requests["a"].generated == alone[0] and requests["b"].generated == alone[1][:8]
     assert [r.finish_reason for r in requests.values()] == ["length", "length"]
 
 
 def test_a_finished_row_is_refilled_at_once(model):
-    sizes, handle = forward_batch_sizes(model)
-    model.max_batch_size = 2
+    engine = model.engine
+    model.engine = engine.configured(max_batch_size=2)
     try:
-        texts = model.generate(PROMPTS, max_gen_len=6)
+        with StepRows(model.engine) as sizes:
+            texts = model.generate(PROMPTS, max_gen_len=6)
     finally:
-        model.max_batch_size = 32
-        handle.remove()
+        model.engine = engine
     # every row stops after 6 tokens: rows leave in pairs and the next two prompts prefill in the same step
     assert max(sizes) == 2 and texts == [model.generate([p], max_gen_len=6)[0] for p in PROMPTS]
     assert sizes.count(1) == 6  # only the last prompt, alone at the end, runs a batch of 1 (prefill + 5 steps)
@@ -83,7 +88,7 @@ def test_a_cancelled_request_leaves_and_the_others_are_unchanged(model):
     plans, requests = drive(model, {0: [keep, cancel]}, rows=2, cancels={3: ["cancel"]})
     assert requests["cancel"].finish_reason == "cancelled" and 1 <= len(requests["cancel"].generated) < 12
     assert requests["keep"].generated == greedy_ids(model, [keep.tokens], 12)[0]
-    keeps = [len(plan.keep) for plan in plans if plan.runs]
+    keeps = [len(plan.keep) for plan in plans if plan.keep or plan.admit]
     assert keeps[:4] == [0, 2, 2, 1] and set(keeps[3:]) == {1}  # it left at the step after the cancel
 
 

@@ -25,6 +25,8 @@ import chat_ui  # noqa: E402
 import multi_turn  # noqa: E402
 import single_turn  # noqa: E402
 
+from accessory.generation.scheduler import Event  # noqa: E402
+
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 QUESTION = "What is the capital of France?"
 needs_chromium = pytest.mark.skipif(not os.path.exists(CHROMIUM),
@@ -243,8 +245,8 @@ class FakeHandle:
         texts = self.service.texts
         for i, text in enumerate(texts):
             last = i == len(texts) - 1
-            yield {"text": text, "delta": text[len(texts[i - 1]) if i else 0:], "end_of_content": last,
-                   "finish_reason": self.service.finish if last else None, "completion_tokens": i + 1}
+            yield Event("fake", text, text[len(texts[i - 1]) if i else 0:], last,
+                        self.service.finish if last else None, i + 1)
 
     def cancel(self):
         self.service.cancelled += 1

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from tiny import forward_batch_sizes, greedy_ids
+from tiny import StepRows, greedy_ids
 
 PROMPTS = ["Hi", "The quick brown fox", "Tensor parallel inference is a way to", "Once upon a time there was",
            "1 2 3 4 5 6 7 8 9 10 11 12 13", "Hello there", "Paris, the city of light, is the capital of", "Why is the sky blue? Because the air"]
@@ -40,13 +40,13 @@ def test_batch_of_eight_lengths_equals_each_prompt_alone(model):
 
 
 def test_more_prompts_than_max_batch_size_run_in_waves(model):
-    sizes, handle = forward_batch_sizes(model)
-    model.max_batch_size = 3
+    engine = model.engine
+    model.engine = engine.configured(max_batch_size=3)
     try:
-        waves = model.generate(PROMPTS, max_gen_len=8)
+        with StepRows(model.engine) as sizes:
+            waves = model.generate(PROMPTS, max_gen_len=8)
     finally:
-        model.max_batch_size = 32
-        handle.remove()
+        model.engine = engine
     assert max(sizes) == 3
     assert waves == model.generate(PROMPTS, max_gen_len=8)
 
@@ -56,14 +56,13 @@ def test_a_row_that_stops_early_yields_its_text_and_costs_nothing_after(model):
     free = greedy_ids(model, ids, 20)
     stop = free[0][3]  # row 0's 4th token becomes a stop token; rows 1 and 2 must not contain it
     assert stop not in free[1] and stop not in free[2]
-    saved = model.stop_ids
+    saved = set(model.stop_ids)
     model.stop_ids = saved | {stop}
-    sizes, handle = forward_batch_sizes(model)
     try:
-        texts = model.generate(PROMPTS[:3], max_gen_len=20)
+        with StepRows(model.engine) as sizes:
+            texts = model.generate(PROMPTS[:3], max_gen_len=20)
     finally:
         model.stop_ids = saved
-        handle.remove()
     assert texts[0] == model.tokenizer.decode(free[0][:3])
     assert texts[1:] == [model.tokenizer.decode(row) for row in free[1:]]
     assert sizes[:4] == [3, 3, 3, 3] and set(sizes[4:]) == {2}  # row 0 left the batch after its stop token
@@ -202,16 +201,17 @@ def test_kv_cache_memory_is_flat_over_100_calls(model):
     for call in range(100):
         batch, gen = sizes[call % len(sizes)]
         model.generate(PROMPTS[:batch], max_gen_len=gen)
-        assert model.llma.cache_nbytes <= model.keep_cache_bytes
+        assert model.llma.cache_nbytes <= model.engine.settings.keep_cache_bytes
         if call in (3, 99):
             rss.append(rss_bytes())
     assert rss[1] - rss[0] < 16 << 20, f"grew by {(rss[1] - rss[0]) >> 20} MiB"
-    model.keep_cache_bytes = 0
+    engine = model.engine
+    model.engine = engine.configured(keep_cache_bytes=0)
     try:
         model.generate(PROMPTS[:2], max_gen_len=4)
         assert model.llma.cache_nbytes == 0, "a cache over the cap is released after the call"
     finally:
-        model.keep_cache_bytes = 256 << 20
+        model.engine = engine
 
 
 # ---- scoring ----------------------------------------------------------------------------------------------------

@@ -36,29 +36,35 @@ def tiny_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     return weights
 
 
-def greedy_ids(model, prompts: list[list[int]], steps: int, **sampling) -> list[list[int]]:
-    """Exactly `steps` greedy tokens per prompt (no stop tokens), straight from the engine; the source rank's
-    tokens, on every rank (the engine broadcasts each step's plan, and only the source rank samples)."""
-    from accessory.generation.engine import lockstep
+def greedy_ids(model, prompts: list[list[int]], steps: int, engine=None, **sampling) -> list[list[int]]:
+    """Exactly `steps` greedy tokens per prompt (no stop tokens), straight from the engine (model.engine, or
+    `engine`); the source rank's tokens, on every rank (only the source rank samples)."""
     from accessory.generation.sampling import SamplingParams
-    from accessory.generation.scheduler import Request, Scheduler
+    from accessory.generation.scheduler import Request
 
-    llma = model.llma
+    engine = (engine or model.engine).configured(max_batch_size=len(prompts))
+    engine.stop_ids = set()
     requests = [Request(row, ids, SamplingParams(max_gen_len=steps, **sampling), 0) for row, ids in enumerate(prompts)]
-    scheduler = None
-    if llma.ctx.is_source:
-        scheduler = Scheduler(model.tokenizer, (), len(prompts), llma.args.vocab_size, llma.rotations.device)
-        for request in requests:
-            scheduler.add(request)
-        scheduler.close()
-    for _ in lockstep(llma, llma.ctx, scheduler, len(prompts), max(map(len, prompts)) + steps):
+    for _ in engine.stream(requests):
         pass
-    return llma.ctx.broadcast_object([request.generated for request in requests])
+    return model.ctx.broadcast_object([request.generated for request in requests])
 
 
-def forward_batch_sizes(model):
-    """Record the batch size of every forward pass of the model (a hook, removed by the caller)."""
-    sizes = []
-    handle = model.llma.register_forward_pre_hook(lambda module, args, kwargs: sizes.append(args[0].shape[0]),
-                                                  with_kwargs=True)
-    return sizes, handle
+class StepRows:
+    """Records the rows of every step an engine runs: each decode step's and each prefill's (its prompt count).
+    Use as a context manager around the calls."""
+
+    def __init__(self, engine):
+        self.engine, self.sizes = engine, []
+
+    def __enter__(self) -> list[int]:
+        self.decode, sizes = self.engine.decode_step, self.sizes
+        prefill = self.engine.model.prefill
+        self.engine.decode_step = lambda tokens, *rest: (sizes.append(tokens.shape[0]), self.decode(tokens, *rest))[1]
+        self.engine.model.prefill = lambda tokens, rows, positions, segments: (
+            sizes.append(len(segments)), prefill(tokens, rows, positions, segments))[1]
+        return sizes
+
+    def __exit__(self, *exc) -> None:
+        self.engine.decode_step = self.decode
+        del self.engine.model.prefill  # the instance attribute: the class's method again

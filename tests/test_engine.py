@@ -1,0 +1,117 @@
+"""The engine's static decode step and what ranks exchange: compiled and eager decoding give the same tokens at 1
+and 3 ranks, the step compiles at most twice while rows join and leave, per-step traffic does not grow with the
+output, and text never leaves the source rank."""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from tiny import greedy_ids
+
+PROMPTS = ["Hi", "The quick brown fox", "Tensor parallel inference is a way to", "Once upon a time there was",
+           "Hello there"]
+LENGTHS = [9, 3, 14, 6, 11]  # rows finish at different steps, so rows leave and waiting prompts join
+
+
+def joining_and_leaving(model, compile: bool) -> list[list[int]]:
+    """Greedy tokens of PROMPTS, 2 rows at a time with different lengths: the batch changes at many steps."""
+    from accessory.generation.sampling import SamplingParams
+    from accessory.generation.scheduler import Request
+
+    engine = model.engine.configured(max_batch_size=2, compile=compile)
+    engine.stop_ids = set()
+    requests = [Request(i, model.tokenizer.encode(p, True, False), SamplingParams(max_gen_len=n), 0)
+                for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS))]
+    for _ in engine.stream(requests):
+        pass
+    return model.ctx.broadcast_object([r.generated for r in requests])
+
+
+def compiled_against_eager(folder) -> tuple:
+    """(eager tokens, compiled tokens, graphs compiled) on this rank."""
+    from torch._dynamo.utils import counters
+
+    from accessory.model.meta import MetaModel
+
+    torch._dynamo.reset()
+    model = MetaModel.from_pretrained(folder, max_seq_len=128)
+    eager = joining_and_leaving(model, compile=False)
+    before = counters["stats"]["unique_graphs"]
+    compiled = joining_and_leaving(model, compile=True)
+    compiled_again = greedy_ids(model, [model.tokenizer.encode(PROMPTS[2], True, False)], 40,
+                                engine=model.engine.configured(compile=True))  # another cache size
+    return eager, compiled, counters["stats"]["unique_graphs"] - before, compiled_again, \
+        greedy_ids(model, [model.tokenizer.encode(PROMPTS[2], True, False)], 40)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_compiled_decode_gives_the_eager_tokens_and_compiles_at_most_twice(tiny_checkpoints, world):
+    """Rows join and leave at many steps (batch of 1 and 2, several attention widths, two cache sizes); the step
+    is one graph with symbolic sizes, plus one for a batch of 1 (torch specializes size 1)."""
+    folder = tiny_checkpoints["mha", 3]
+    results = [compiled_against_eager(folder)] if world == 1 else run_ranks(world, compiled_against_eager, folder)
+    for rank, result in enumerate(results):
+        assert not isinstance(result, Exception), result.rank_traceback
+        eager, compiled, graphs, compiled_again, eager_again = result
+        assert compiled == eager, f"rank {rank}"
+        assert compiled_again == eager_again, f"rank {rank}"
+        assert 1 <= graphs <= 2, f"rank {rank}: {graphs} graphs compiled"
+        assert [len(row) for row in eager] == LENGTHS
+
+
+def traffic_per_step(folder) -> tuple:
+    """Bytes this rank's engine sends or receives through broadcasts and gathers at each step of one long
+    generation (the model's all-reduces inside a step are the same size at every step of a batch), and the
+    texts. On the follower, detokenizing fails: it must never need text."""
+    from accessory.generation.engine import Engine
+    from accessory.model.meta import MetaModel
+    from accessory.parallel import ParallelContext
+
+    model = MetaModel.from_pretrained(folder, max_seq_len=128)
+    steps: list[dict] = []
+    count = lambda kind, n: steps[-1].update({kind: steps[-1].get(kind, 0) + n}) if steps else None  # noqa: E731
+    originals = {name: getattr(ParallelContext, name) for name in ("broadcast", "broadcast_object",
+                                                                   "gather_to_source")}
+
+    def broadcast(ctx, x):
+        count("tensor", x.nbytes)
+        return originals["broadcast"](ctx, x)
+
+    def broadcast_object(ctx, obj):
+        obj = originals["broadcast_object"](ctx, obj)
+        count("object", len(pickle.dumps(obj)))
+        return obj
+
+    def gather_to_source(ctx, x, dim=-1):
+        count("gather", x.nbytes)
+        return originals["gather_to_source"](ctx, x, dim)
+
+    next_plan = Engine._next_plan
+
+    def marked(engine, *args):
+        steps.append({})
+        return next_plan(engine, *args)
+
+    if not model.ctx.is_source:
+        model.tokenizer.decode = lambda *a, **k: (_ for _ in ()).throw(AssertionError("a follower detokenized"))
+    ParallelContext.broadcast, ParallelContext.broadcast_object = broadcast, broadcast_object
+    ParallelContext.gather_to_source, Engine._next_plan = gather_to_source, marked
+    model.stop_ids = set()
+    texts = model.generate(["The quick brown fox"], max_gen_len=100)
+    return steps, texts
+
+
+def test_nothing_sent_per_step_grows_with_the_output_and_followers_never_see_text(tiny_checkpoints):
+    results = run_ranks(2, traffic_per_step, tiny_checkpoints["mha", 2])
+    for rank, result in enumerate(results):
+        assert not isinstance(result, Exception), result.rank_traceback
+        steps, texts = result
+        assert texts == results[0][1]  # every rank returns the text (sent once, at the end)
+        decoding = steps[2:-1]  # after the prompt's prefill, before the last plan
+        assert len(decoding) >= 95
+        assert all(step == decoding[0] for step in decoding), f"rank {rank}: {decoding[0]} vs {decoding[-1]}"
+        assert "object" not in decoding[0], "no pickled plan while the batch does not change"
+        assert decoding[0]["tensor"] <= 64  # the step header: status, rows, flags and one token per row

@@ -1,0 +1,251 @@
+"""Weight-only quantization: the formats and CPU kernels against their dequantized float reference, GGUF bits kept
+bit-exact against the gguf package, quantized models at 1, 3 and 9 ranks, quantized checkpoints written and
+resharded, the memory they take, and their quality (perplexity of a fixed text; the answer to a chat question)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from distributed import run_ranks
+from tiny import greedy_ids
+
+PERPLEXITY_TEXT = Path(__file__).parent / "data" / "perplexity.txt"
+QUESTION = "What is the capital of France?"
+
+
+# ---- formats and kernels ------------------------------------------------------------------------------------------
+
+def test_cpu_kernels_build_here():
+    """The CI machine has a C compiler: the kernels must build, or every quantized product silently runs the slow
+    dequantize + matmul path."""
+    from accessory.quant.kernels import cpu_kernels, kernel_isa
+
+    assert cpu_kernels()
+    assert kernel_isa() in ("avx512", "avx2", "generic")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 40])
+def test_quantized_linear_equals_its_dequantized_reference(fmt, rows):
+    """Every row count the engine uses (the kernels up to 8 rows, the dequantizing path above), an odd number of
+    outputs, and bf16 input: the product equals x @ dequantize(W)^T to float32 rounding."""
+    from accessory.quant.formats import dequantize, quantize
+    from accessory.quant.kernels import quantized_linear
+
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(203, 576, generator=generator) * 0.05
+    x = torch.randn(rows, 576, generator=generator)
+    parts = quantize(weight, fmt)
+    reference = x.double() @ dequantize(parts, fmt).double().T
+    out = quantized_linear(x, fmt, parts["q"], parts["scale"], parts.get("min"))
+    assert out.dtype == torch.float32 and out.shape == (rows, 203)
+    assert (out.double() - reference).abs().max() <= 2e-6 * reference.abs().max()
+    low = quantized_linear(x.bfloat16(), fmt, parts["q"], parts["scale"], parts.get("min"))
+    assert low.dtype == torch.bfloat16 and (low.double() - reference).abs().max() <= 2e-2 * reference.abs().max()
+
+
+@pytest.mark.parametrize("march,isa", [("native", None), ("haswell", "avx2"), ("x86-64", "generic")])
+def test_every_kernel_variant_equals_the_reference(tmp_path, march, isa):
+    """Each instruction-set path of kernels.c, whatever this machine is: AVX-512 or AVX2 as -march=native picks,
+    AVX2 + FMA + F16C (haswell), and plain C. Called through ctypes on the C code alone."""
+    import ctypes
+    import subprocess
+
+    from accessory.quant.formats import dequantize, quantize
+    from accessory.quant.kernels import SOURCES
+
+    library = tmp_path / f"kernels-{march}.so"
+    subprocess.run(["cc", "-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", str(SOURCES[0]), "-o",
+                    str(library)], check=True)
+    lib = ctypes.CDLL(str(library))
+    lib.accessory_kernels_isa.restype = ctypes.c_char_p
+    assert isa is None or lib.accessory_kernels_isa().decode() == isa
+    generator = torch.Generator().manual_seed(1)
+    weight, x = torch.randn(77, 320, generator=generator) * 0.1, torch.randn(6, 320, generator=generator)
+    for fmt in ("int4", "int8"):
+        parts = quantize(weight, fmt)
+        for rows in (1, 2, 3, 4, 6):
+            out = torch.empty(rows, 77)
+            pointers = [x.data_ptr(), rows, 320, parts["q"].data_ptr(), parts["scale"].data_ptr()]
+            pointers += [parts["min"].data_ptr()] if fmt == "int4" else []
+            getattr(lib, f"accessory_linear_{fmt}")(*[ctypes.c_int64(p) for p in pointers], ctypes.c_int64(77),
+                                                    ctypes.c_int64(out.data_ptr()))
+            reference = x[:rows].double() @ dequantize(parts, fmt).double().T
+            assert (out.double() - reference).abs().max() <= 2e-6 * reference.abs().max(), (fmt, rows)
+
+
+@pytest.mark.parametrize("fmt,levels", [("int8", 127), ("int4", 15)])
+def test_quantization_error_is_half_a_step(fmt, levels):
+    from accessory.quant.formats import GROUP, dequantize, quantize
+
+    weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    weight[3, :GROUP] = 0.25  # an all-equal group: scale 0, exact
+    parts = quantize(weight, fmt)
+    error = (dequantize(parts, fmt) - weight).abs().reshape(64, -1, GROUP).amax(-1)
+    step = parts["scale"].float()
+    assert torch.all(error <= step / 2 + 2e-3 * weight.abs().reshape(64, -1, GROUP).amax(-1))  # + fp16 scale rounding
+    assert error[3, 0] < 1e-3 and step.max() <= 2 * weight.abs().max() / levels * 1.01
+
+
+# ---- GGUF bits kept -------------------------------------------------------------------------------------------------
+
+def test_gguf_q4_1_and_q8_0_tensors_are_kept_bit_exact(smollm2_gguf):
+    """The built-in model's Q4_1 matrices and its Q8_0 embedding, kept as int4 / int8, dequantize to exactly the
+    float32 values the gguf package gives."""
+    import gguf
+
+    from accessory.checkpoint.importers.gguf import KEPT_TYPES, kept_parts
+    from accessory.quant.formats import dequantize
+
+    reader = gguf.GGUFReader(smollm2_gguf)
+    checked = set()
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind not in KEPT_TYPES or not (t.name.startswith(("blk.0.", "blk.29.")) or t.name == "token_embd.weight"):
+            continue
+        theirs = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+        ours = dequantize(kept_parts(t.data, kind), KEPT_TYPES[kind][0])
+        assert torch.equal(ours, theirs.reshape(ours.shape)), t.name
+        checked.add(kind)
+    assert checked == {"Q4_1", "Q8_0"}
+
+
+def test_gguf_q4_0_is_kept_bit_exact():
+    import gguf
+
+    from accessory.checkpoint.importers.gguf import kept_parts
+    from accessory.quant.formats import dequantize
+
+    values = np.random.default_rng(0).standard_normal((48, 160)).astype(np.float32)
+    blocks = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_0)
+    theirs = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_0).copy())
+    assert torch.equal(dequantize(kept_parts(blocks, "Q4_0"), "int4"), theirs)
+
+
+# ---- quantized models -----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def kept_checkpoint():
+    """The built-in model imported with its GGUF bits kept (linears int4 from Q4_1, the embedding int8 from Q8_0)."""
+    from accessory.checkpoint.default_model import ensure_default_model
+
+    return ensure_default_model(keep_quantized=True)
+
+
+def quantized_tokens(kept: Path, floating: Path, steps: int) -> dict:
+    """Greedy tokens of a chat question: the kept int4 bits, and (given `floating`) the float checkpoint quantized
+    to int8 on load."""
+    from accessory.model.meta import MetaModel
+
+    out = {}
+    for name, folder, quant in (("int4-kept", kept, None), ("int8", floating, "int8")):
+        if folder is not None:
+            model = MetaModel.from_pretrained(folder, max_seq_len=256, quant=quant)
+            out[name] = greedy_ids(model, [model.tokenizer.encode_chat(QUESTION)], steps)[0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokens_by_ranks(kept_checkpoint, smollm2_checkpoint) -> dict:
+    """At 9 ranks (9 processes on this machine's cores) only the kept bits, and fewer tokens: it is slow."""
+    out = {1: [quantized_tokens(kept_checkpoint, smollm2_checkpoint, 24)],
+           3: run_ranks(3, quantized_tokens, kept_checkpoint, smollm2_checkpoint, 24),
+           9: run_ranks(9, quantized_tokens, kept_checkpoint, None, 8)}
+    for results in out.values():
+        for result in results:
+            assert not isinstance(result, Exception), result.rank_traceback
+    return out
+
+
+@pytest.mark.parametrize("world", [3, 9])
+def test_quantized_models_give_the_same_tokens_at_1_3_and_9_ranks(tokens_by_ranks, world):
+    """9 ranks split the FFN's 1536 hidden units in whole groups of 32 (8 ranks hold 192, the last none) and
+    replicate the 3 KV heads; the groups do not depend on the rank count, so neither do the weights."""
+    alone = tokens_by_ranks[1][0]
+    for rank, result in enumerate(tokens_by_ranks[world]):
+        assert result == {name: ids[:len(result[name])] for name, ids in alone.items() if name in result}, \
+            f"rank {rank} of {world}"
+
+
+def test_quantized_answers_say_paris(tokens_by_ranks, smollm2_checkpoint):
+    from accessory.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_path(smollm2_checkpoint)
+    for name, ids in tokens_by_ranks[1][0].items():
+        assert "Paris" in tokenizer.decode(ids), name
+
+
+def model_bytes(model) -> int:
+    """Bytes of the distinct storages behind the model's tensors (shared ones, like a tied embedding, once)."""
+    storages = {}
+    for tensor in [*model.llma.parameters(), *model.llma.buffers()]:
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+@pytest.fixture(scope="module")
+def models(smollm2_checkpoint, kept_checkpoint) -> dict:
+    from accessory.model.meta import MetaModel
+
+    load = lambda folder, quant=None: MetaModel.from_pretrained(folder, max_seq_len=1024, quant=quant)  # noqa: E731
+    return {"float32": load(smollm2_checkpoint), "int8": load(smollm2_checkpoint, "int8"),
+            "int4": load(smollm2_checkpoint, "int4"), "int4-kept": load(kept_checkpoint)}
+
+
+def test_quantized_weights_take_a_fraction_of_float32(models):
+    """And the tied embedding is held once: at one rank the output projection is the embedding table itself."""
+    sizes = {name: model_bytes(model) for name, model in models.items()}
+    assert sizes["int8"] <= 0.3 * sizes["float32"] and sizes["int4"] <= 0.2 * sizes["float32"], sizes
+    assert sizes["int4-kept"] == sizes["int4"]
+    for model in models.values():
+        assert model.llma.output.weight is model.llma.tok_embeddings.weight
+    embedding = 49152 * 576 * 4
+    assert sizes["float32"] < 134_515_008 * 4 + embedding // 10  # 135M parameters, the embedding counted once
+
+
+def test_perplexity_int8_within_1_percent_int4_within_5_percent(models):
+    """On a fixed text: int8 and int4 (requantized from the float weights) against float32. The float weights are
+    the GGUF's Q4_1 values, so int4 requantization is close to lossless here, and the kept bits are exact."""
+    text = PERPLEXITY_TEXT.read_text()
+    perplexity = {name: model.evaluate_examples([text])["perplexity"][0] for name, model in models.items()}
+    base = perplexity["float32"]
+    assert 1 < base < 100, perplexity
+    assert abs(perplexity["int8"] / base - 1) <= 0.01, perplexity
+    assert abs(perplexity["int4"] / base - 1) <= 0.05, perplexity
+    assert abs(perplexity["int4-kept"] / base - 1) <= 0.001, perplexity
+
+
+# ---- quantized checkpoints --------------------------------------------------------------------------------------------
+
+def test_quantized_checkpoint_is_what_loading_quantizes_and_reshards_3_to_1_to_9(tmp_path, smollm2_checkpoint, models):
+    from accessory.checkpoint.quantize import quantize_checkpoint
+    from accessory.checkpoint.reshard import reshard
+    from accessory.model.meta import MetaModel
+
+    three = quantize_checkpoint(smollm2_checkpoint, tmp_path / "int4-3", "int4")
+    assert sorted(p.name for p in three.glob("*.safetensors")) == [f"consolidated.0{i}-of-03.model.safetensors"
+                                                                   for i in range(3)]
+    one = reshard(three, tmp_path / "int4-1", 1)
+    nine = reshard(one, tmp_path / "int4-9", 9)
+    expected = models["int4"].llma.saved_tensors()
+    for folder in (three, one, nine):
+        loaded = MetaModel.from_pretrained(folder, max_seq_len=1024).llma.saved_tensors()
+        assert loaded.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert torch.equal(loaded[name], tensor), f"{folder.name}: {name}"
+
+
+def test_requantizing_or_quantizing_twice_is_refused(kept_checkpoint, tmp_path):
+    from accessory.checkpoint.quantize import quantize_checkpoint
+    from accessory.errors import CheckpointError, ConfigError
+    from accessory.model.meta import MetaModel
+
+    with pytest.raises(ConfigError, match="holds int4-quantized weights; load it with quant='int4'"):
+        MetaModel.from_pretrained(kept_checkpoint, quant="int8")
+    with pytest.raises(CheckpointError, match="already quantized"):
+        quantize_checkpoint(kept_checkpoint, tmp_path / "again", "int8")
+    with pytest.raises(ConfigError, match="quant must be"):
+        MetaModel.from_pretrained(kept_checkpoint, quant="int3")

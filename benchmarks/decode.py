@@ -1,33 +1,36 @@
-"""Greedy decode throughput and memory: accessory's MetaModel.generate against HF transformers' generate.
+"""Greedy decode throughput and memory: accessory's MetaModel.generate against HF transformers and llama.cpp.
 
-Both engines run the built-in default model (SmolLM2-135M-Instruct) on the same weights (our checkpoint is imported
-from the very GGUF file that transformers loads), on the same prompt token ids, with the same thread count, and
-are forced to generate exactly N new tokens per row:
+Every engine runs the built-in default model (SmolLM2-135M-Instruct) from the same GGUF file, on the same prompt
+token ids, with the same thread count, and is made to generate exactly N new tokens per row:
 
-- ours: `MetaModel.generate(prompts, max_gen_len=N, temperature=0)`, timed end to end (tokenization, the decode
-  loop and incremental detokenization included). Stop tokens are switched off (`stop_ids` emptied), so EOS cannot
-  end a row early; `lockstep` (the engine loop that `generate` drives) is wrapped to count the tokens each request
-  actually got and the forward steps it took, and the run fails if any row got other than N tokens.
+- ours, `MetaModel.generate(prompts, max_gen_len=N, temperature=0)`, timed end to end (tokenization, the engine and
+  incremental detokenization included), in any of these forms: `ours` (float32, eager), `ours+compile` (the decode
+  step compiled), `ours:int8` (quantized while loading), `ours:int4` (the GGUF's own Q4_1 bits, kept at import),
+  and the `+compile` of each. Stop tokens are switched off (`stop_ids` emptied), so EOS cannot end a row early;
+  the scheduler is wrapped to count the tokens each request got and the steps, and the run fails if any row got
+  other than N tokens.
 - HF: `model.generate(input_ids, attention_mask, do_sample=False, max_new_tokens=N, min_new_tokens=N)` on the same
-  prompt ids, left-padded, plus one decode of the output ids to text, so both go from prompts to text. The count is
-  read from the output shape.
+  prompt ids, left-padded, float32, plus one decode of the output ids to text. The count is read from the shape.
+- llama.cpp (llama-cpp-python, if installed; batch 1 only): `Llama.generate` on the same prompt ids with greedy
+  sampling, stopped after exactly N tokens (it does not stop at EOS by itself), KV cache cleared before each run,
+  then the ids detokenized.
 
-Each (engine, batch size) runs in its own subprocess so its memory high-water mark is its own: `peak` is
-`getrusage(RUSAGE_SELF).ru_maxrss` at the end (the whole process, model load included); `loaded` is the resident
-size after loading; `gen +` is the high-water mark during the timed generate calls above `loaded` (the kernel's
-peak is reset via /proc/self/clear_refs after the warm-up call; where that is not allowed, ru_maxrss is used instead).
-One warm-up call, then the median of `--repeats` calls. `prefill s` is the time until every row has its first new
-token; `decode tok/s` is the rest: B * (N - 1) tokens over (seconds - prefill s).
+Each (engine, batch size) runs in its own subprocess so its memory is its own: `model MiB` is the resident size
+added by loading the model (RSS after loading minus RSS just before), `load peak +MiB` the high-water mark during
+loading above the RSS before it (a float copy of the whole model would show here), `gen + MiB` the high-water mark
+during the timed calls above the loaded size. One warm-up call (it also compiles, for `+compile`), then the median
+of `--repeats` calls. `prefill s` is the time until every row has its first new token; `decode tok/s` is the rest:
+B * (N - 1) tokens over (seconds - prefill s).
 
-    python benchmarks/decode.py --batch-sizes 1 16 --new-tokens 64 --repeats 3 --threads 2 [--nproc 3]
+    python benchmarks/decode.py --engines hf llama.cpp ours ours+compile ours:int4+compile --batch-sizes 1 16 \
+        --new-tokens 128 --repeats 3 --threads 2 [--nproc 3]
 
-`--nproc N` adds a row for ours under `torchrun --standalone --nproc-per-node=N` (threads split across ranks;
-RSS summed over ranks).
+`--nproc N` adds a row for `ours` under `torchrun --standalone --nproc-per-node=N` (threads split across ranks; RSS
+summed over ranks).
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import resource
@@ -73,11 +76,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2, help="torch threads per engine (split across ranks)")
     p.add_argument("--nproc", type=int, default=0, help="also run ours under torchrun at this many ranks")
-    p.add_argument("--engines", nargs="+", default=["hf", "ours"], choices=["hf", "ours"])
+    p.add_argument("--engines", nargs="+", type=engine_spec, default=["hf", "llama.cpp", "ours"],
+                   help="hf, llama.cpp, ours[:int8|:int4][+compile]")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--quiet-wait", type=float, default=60.0,
                    help="before each engine, wait up to this many seconds for other processes to leave the CPUs")
-    p.add_argument("--worker", choices=["hf", "ours"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", type=engine_spec, help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -86,10 +90,12 @@ def main() -> None:
     from accessory.checkpoint.default_model import ensure_default_model, gguf_path
 
     ensure_default_model()  # import once, outside any timed or measured process
+    ensure_default_model(keep_quantized=True)
     gguf_path()
     results = []
     for batch in args.batch_sizes:
-        runs = [(e, 1) for e in args.engines] + ([("ours", args.nproc)] if args.nproc > 1 else [])
+        runs = [(e, 1) for e in args.engines if not (e == "llama.cpp" and batch > 1)]
+        runs += [("ours", args.nproc)] if args.nproc > 1 else []
         for engine, nproc in runs:
             print(f"running {engine} at batch {batch}" + (f", {nproc} ranks" if nproc > 1 else "") + " ...",
                   file=sys.stderr, flush=True)
@@ -99,6 +105,14 @@ def main() -> None:
     print(agreement(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
+
+
+def engine_spec(text: str) -> str:
+    base, _, quant = text.removesuffix("+compile").partition(":")
+    if base not in ("hf", "llama.cpp", "ours") or (quant and (base != "ours" or quant not in ("int8", "int4"))) \
+            or (text.endswith("+compile") and base != "ours"):
+        raise argparse.ArgumentTypeError(f"unknown engine {text!r}: hf, llama.cpp, ours[:int8|:int4][+compile]")
+    return text
 
 
 def wait_for_quiet(limit_s: float, threshold: float = 0.2) -> None:
@@ -149,13 +163,17 @@ def worker(args) -> None:
     tokenizer = Tokenizer.from_path(find_tokenizer([folder]))
     prompt_ids = [tokenizer.encode(p, bos=True, eos=False) for p in prompts]
     n = args.new_tokens
-    if args.worker == "ours":
-        run, info = ours_runner(folder, prompts, n)
+    reset_peak()
+    before = vm_kib("VmRSS")
+    if args.worker.startswith("ours"):
+        run, info = ours_runner(args.worker, prompts, n)
+    elif args.worker == "llama.cpp":
+        run, info = llama_cpp_runner(gguf_path(), tokenizer, prompt_ids, n, args.threads)
     else:
         run, info = hf_runner(gguf_path(), tokenizer, prompt_ids, n)
-    loaded = vm_kib("VmRSS")
+    loaded, load_peak = vm_kib("VmRSS"), vm_kib("VmHWM")
 
-    run()  # warm-up
+    run()  # warm-up (and compilation)
     reset_ok = reset_peak()
     timings = [with_other_load(run) for _ in range(args.repeats)]
     gen_peak = vm_kib("VmHWM") if reset_ok else None
@@ -164,8 +182,8 @@ def worker(args) -> None:
     counts = [len(row) for row in timings[-1]["tokens"]]
     if counts != [n] * args.batch:
         raise SystemExit(f"{args.worker}: expected {n} new tokens in each of {args.batch} rows, got {counts}")
-    mem = {"peak_kib": maxrss, "loaded_kib": loaded,
-           "gen_delta_kib": (gen_peak if reset_ok else maxrss) - loaded}
+    mem = {"peak_kib": maxrss, "loaded_kib": loaded, "model_kib": loaded - before,
+           "load_peak_kib": load_peak - before, "gen_delta_kib": (gen_peak if reset_ok else maxrss) - loaded}
     mem = reduce_over_ranks(mem)
     if mem is None:  # not the source rank
         return
@@ -180,31 +198,37 @@ def worker(args) -> None:
     print(MARK + json.dumps(result), flush=True)
 
 
-def ours_runner(folder: Path, prompts: list[str], n: int):
+def ours_runner(spec: str, prompts: list[str], n: int):
     import torch
 
+    from accessory.checkpoint.default_model import ensure_default_model
+    from accessory.generation.engine import Engine
+    from accessory.generation.scheduler import Scheduler
     from accessory.model.meta import MetaModel
 
-    model = MetaModel.from_pretrained(folder)
-    if hasattr(model, "stop_ids"):
-        model.stop_ids = set()  # EOS must not end a row early
+    compile = spec.endswith("+compile")
+    quant = spec.removesuffix("+compile").partition(":")[2] or None
+    # int4: the GGUF's own Q4_1 bits; int8: the float import, quantized while loading
+    folder = ensure_default_model(keep_quantized=quant == "int4")
+    model = MetaModel.from_pretrained(folder, quant=quant if quant == "int8" else None, compile=compile,
+                                      max_seq_len=1024)
+    model.stop_ids = set()  # EOS must not end a row early
     ctx = model.ctx
     record: dict = {}  # reset by every run()
-    runner = importlib.import_module("accessory.generation.runner")
-    original = runner.lockstep
+    stream, step = Engine.stream, Scheduler.step
 
-    def counting_lockstep(llma, ctx, scheduler, *args, **kwargs):
-        # The source rank's requests are queued in the scheduler before the loop starts: read them there, so the
-        # tokens each one actually got can be counted afterwards.
-        requests = [item for kind, item in list(scheduler.inbox.queue) if kind == "add"] if scheduler else []
+    def recording_stream(engine, requests):  # the requests generate() made, to count their tokens afterwards
         record["requests"] = requests
-        for plan in original(llma, ctx, scheduler, *args, **kwargs):
-            record["steps"] += plan.runs
-            if record["prefill"] is None and requests and all(r.generated for r in requests):
-                record["prefill"] = time.perf_counter()
-            yield plan
+        yield from stream(engine, requests)
 
-    runner.lockstep = counting_lockstep  # generate() reaches the engine through the runner
+    def counting_step(scheduler, logits):  # the source rank's steps
+        plan, events = step(scheduler, logits)
+        record["steps"] += bool(plan.keep or plan.admit)
+        if record["prefill"] is None and all(r.generated for r in record["requests"]):
+            record["prefill"] = time.perf_counter()
+        return plan, events
+
+    Engine.stream, Scheduler.step = recording_stream, counting_step
 
     def run() -> dict:
         record.update(requests=[], steps=0, prefill=None)
@@ -216,8 +240,35 @@ def ours_runner(folder: Path, prompts: list[str], n: int):
         return {"seconds": end - start, "prefill": (record["prefill"] or end) - start,
                 "tokens": [r.generated for r in record["requests"]], "steps": record["steps"]}
 
-    name = "accessory" + (f" ({ctx.world_size} ranks)" if ctx.world_size > 1 else "")
+    name = "accessory " + (quant or "fp32") + (" compiled" if compile else "")
+    name += f" ({ctx.world_size} ranks)" if ctx.world_size > 1 else ""
     return run, {"name": name, "ranks": ctx.world_size}
+
+
+def llama_cpp_runner(gguf: Path, tokenizer, prompt_ids: list[list[int]], n: int, threads: int):
+    try:
+        import llama_cpp
+    except ImportError:
+        raise SystemExit("llama.cpp: pip install llama-cpp-python==0.3.36 (a benchmark peer, not a requirement)")
+    if len(prompt_ids) != 1:
+        raise SystemExit("llama.cpp runs at batch 1 here")
+    llm = llama_cpp.Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=1024,
+                          verbose=False)
+
+    def run() -> dict:
+        llm.reset()  # no reuse of the previous run's cached prompt
+        start, first, tokens = time.perf_counter(), None, []
+        for token in llm.generate(prompt_ids[0], temp=0.0, top_k=1, top_p=1.0, repeat_penalty=1.0):
+            first = first or time.perf_counter()
+            tokens.append(token)
+            if len(tokens) == n:
+                break
+        llm.detokenize(tokens)  # ids to text, as ours returns text
+        end = time.perf_counter()
+        return {"seconds": end - start, "prefill": first - start, "tokens": [tokens], "steps": n}
+
+    return run, {"name": f"llama.cpp (llama-cpp-python {llama_cpp.__version__}, Q4_1)", "ranks": 1,
+                 "eos_ids": [tokenizer.eos_id]}
 
 
 def hf_runner(gguf: Path, tokenizer, prompt_ids: list[list[int]], n: int):
@@ -323,19 +374,20 @@ def reduce_over_ranks(mem: dict):
 # ---------------------------------------------------------------------------------------------------- report
 
 def table(results: list[dict]) -> str:
-    hf = {r["batch"]: r for r in results if r["engine"].startswith("HF")}
-    lines = ["| engine | batch | new tokens | steps | seconds | (range) | tokens/s | vs HF | prefill s | decode tok/s "
-             "| peak RSS MiB | loaded MiB | gen + MiB | other load |",
+    peers = {name: {r["batch"]: r for r in results if r["engine"].startswith(name)} for name in ("HF", "llama.cpp")}
+    lines = ["| engine | batch | new tokens | seconds | (range) | tokens/s | vs HF | vs llama.cpp | prefill s "
+             "| decode tok/s | model MiB | load peak +MiB | gen + MiB | other load |",
              "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in results:
         tps = r["generated"] / r["seconds"]
-        peer = hf.get(r["batch"])
-        ratio = f"{tps / (peer['generated'] / peer['seconds']):.2f}x" if peer else "-"
+        ratios = []
+        for peer in (peers["HF"].get(r["batch"]), peers["llama.cpp"].get(r["batch"])):
+            ratios.append(f"{tps / (peer['generated'] / peer['seconds']):.2f}x" if peer else "-")
         decode = r["batch"] * (r["new_tokens"] - 1) / max(r["seconds"] - r["prefill"], 1e-9)
-        lines.append(f"| {r['engine']} | {r['batch']} | {r['generated']} | {r['steps']} | {r['seconds']:.2f} "
-                     f"| {min(r['all_seconds']):.2f}-{max(r['all_seconds']):.2f} "
-                     f"| {tps:.1f} | {ratio} | {r['prefill']:.2f} | {decode:.1f} | {r['peak_kib'] / 1024:.0f} "
-                     f"| {r['loaded_kib'] / 1024:.0f} | {r['gen_delta_kib'] / 1024:.0f} | {r['other_load']:.2f} |")
+        lines.append(f"| {r['engine']} | {r['batch']} | {r['generated']} | {r['seconds']:.2f} "
+                     f"| {min(r['all_seconds']):.2f}-{max(r['all_seconds']):.2f} | {tps:.1f} | {ratios[0]} "
+                     f"| {ratios[1]} | {r['prefill']:.2f} | {decode:.1f} | {r['model_kib'] / 1024:.0f} "
+                     f"| {r['load_peak_kib'] / 1024:.0f} | {r['gen_delta_kib'] / 1024:.0f} | {r['other_load']:.2f} |")
     return "\n".join(lines)
 
 

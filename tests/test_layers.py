@@ -12,6 +12,8 @@ from conftest import REPO
 LAYERS = [
     ("accessory.errors", "accessory.jsonfile", "accessory.cache"),
     ("accessory.model.tokenizer", "accessory.data"),  # text
+    ("accessory.quant.formats",),
+    ("accessory.kernels",),
     ("accessory.quant",),
     ("accessory.parallel",),
     ("accessory.model.components", "accessory.model.LLM"),  # model

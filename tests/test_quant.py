@@ -21,7 +21,7 @@ QUESTION = "What is the capital of France?"
 def test_cpu_kernels_build_here():
     """The CI machine has a C compiler: the kernels must build, or every quantized product silently runs the slow
     dequantize + matmul path."""
-    from accessory.quant.kernels import cpu_kernels, kernel_isa
+    from accessory.kernels import cpu_kernels, kernel_isa
 
     assert cpu_kernels()
     assert kernel_isa() in ("avx512", "avx2", "generic")
@@ -33,7 +33,7 @@ def test_quantized_linear_equals_its_dequantized_reference(fmt, rows):
     """Every row count the engine uses (the kernels up to 8 rows, the dequantizing path above), an odd number of
     outputs, and bf16 input: the product equals x @ dequantize(W)^T to float32 rounding."""
     from accessory.quant.formats import dequantize, quantize
-    from accessory.quant.kernels import quantized_linear
+    from accessory.kernels import quantized_linear
 
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(203, 576, generator=generator) * 0.05
@@ -55,7 +55,7 @@ def test_every_kernel_variant_equals_the_reference(tmp_path, march, isa):
     import subprocess
 
     from accessory.quant.formats import dequantize, quantize
-    from accessory.quant.kernels import SOURCES
+    from accessory.kernels.build import SOURCES
 
     library = tmp_path / f"kernels-{march}.so"
     subprocess.run(["cc", "-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", str(SOURCES[0]), "-o",

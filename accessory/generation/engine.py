@@ -222,17 +222,13 @@ def compiled(decode, device: torch.device):
     """`decode` under torch.compile, as one graph with symbolic sizes (rows and columns vary as requests come and
     go; a size of 1 gets its own graph), captured as CUDA graphs on CUDA (one per shape the buckets allow).
 
-    Guards: dynamo re-checks every module attribute the step reads on every call (about 1 ms here); only the
-    inputs' and the KV cache's tensor guards are kept, since the model's weights never change after loading."""
-    options = {"guard_filter_fn": _decode_guards}
+    Guards: dynamo re-checks every module attribute the step reads on every call (about 1 ms here). Only tensor
+    guards are kept, on every tensor but the parameters (the inputs, the KV cache, the quantized weights): a
+    loaded model's parameters and attributes never change, and whatever else might is a tensor."""
+    options = {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}
     if device.type == "cuda":
         options["triton.cudagraphs"] = True
     return torch.compile(decode, fullgraph=True, dynamic=True, options=options)
-
-
-def _decode_guards(entries) -> list[bool]:
-    return [e.guard_type == "TENSOR_MATCH" and (not e.name.startswith("self") or "['cache']" in e.name)
-            for e in entries]
 
 
 def _bucket(columns: int, limit: int) -> int:

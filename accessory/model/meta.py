@@ -20,7 +20,7 @@ from accessory.generation.scheduler import Event, Request, fit_prompt, row_seeds
 from accessory.model.LLM import model_classes
 from accessory.model.tokenizer import Tokenizer, find_tokenizer
 from accessory.parallel import ParallelContext, init_distributed
-from accessory.quant.kernels import cpu_kernels
+from accessory.kernels import cpu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +86,8 @@ class MetaModel(nn.Module):
         formats = quantized_formats(llma, spec, quant, folders[-1])
         if formats:
             llma.quantize_(formats)
-            if device.type == "cpu":
-                cpu_kernels()  # built once per machine (seconds), before anything is compiled
+        if device.type == "cpu":
+            cpu_kernels()  # built once per machine (seconds), before anything is compiled
         llma.materialize(device, dtype)
         error = None
         try:

@@ -25,7 +25,7 @@ from torch import nn
 
 from accessory.parallel.context import ParallelContext
 from accessory.quant.formats import GROUP
-from accessory.quant.kernels import quantized_linear
+from accessory.kernels import linear, quantized_linear
 from accessory.quant.weight import QuantizedWeight
 
 
@@ -61,7 +61,7 @@ class ParallelWeight(nn.Module):
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T with this rank's slice of W."""
         weight = self.weight
-        return weight.linear(x) if isinstance(weight, QuantizedWeight) else F.linear(x, weight)
+        return weight.linear(x) if isinstance(weight, QuantizedWeight) else linear(x, weight)
 
     def quantize_(self, fmt: str) -> None:
         """Hold the weight in `fmt` (quant/formats.py) from now on; on the meta device, before loading."""
@@ -140,7 +140,7 @@ class FusedColumns(nn.Module):
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.fmt is None:
-            y = F.linear(x, self.weight)
+            y = linear(x, self.weight)
         else:
             y = quantized_linear(x, self.fmt, self.q, self.scale, getattr(self, "min", None))
         return list(y.split(self.sizes, dim=-1))

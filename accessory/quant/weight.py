@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from accessory.quant.formats import GROUP, PART_DTYPES, check_format, dequantize, packed_in, part_shapes, quantize
-from accessory.quant.kernels import quantized_linear
+from accessory.kernels import quantized_linear
 
 
 class QuantizedWeight(nn.Module):

@@ -168,7 +168,9 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = ColumnParallelLinear(args.dim, args.vocab_size, ctx, gather_output=True)
         self._tie_embeddings()
-        self.rotations: Optional[torch.Tensor] = None  # (max_seq_len, head_dim / 2, 2), made by materialize
+        # (max_seq_len, head_dim / 2, 2) float32, filled by materialize. A buffer (not saved), so a compiled step
+        # treats its shape as fixed, as it does the weights'.
+        self.register_buffer("rotations", torch.empty(args.max_seq_len, args.head_dim // 2, 2), persistent=False)
 
     def block_linears(self, args: ModelArgs) -> Linears:
         """The linear layers of the blocks' attention and feed-forward; a variant (llama_peft) overrides this."""
@@ -239,7 +241,7 @@ class Transformer(nn.Module):
             layer.attention.fuse()
             layer.feed_forward.fuse()
         freqs = rope_frequencies(self.args.head_dim, self.args.rope_theta, self.rope_scaling)
-        self.rotations = rope_table(freqs, self.args.max_seq_len, device)
+        self.rotations.copy_(rope_table(freqs, self.args.max_seq_len, device))
         return self
 
     @property

@@ -1,14 +1,10 @@
-"""x @ W^T for a quantized W: the CPU kernels of kernels.c, and a portable path for everything else.
+"""Building and loading the CPU kernels.
 
-kernels.c (the arithmetic, plain C with AVX-512 or AVX2 intrinsics) and ops.cpp (a thin torch operator around it,
-`accessory::quantized_linear_cpu`) are compiled at first use with the machine's compilers, `-O3 -march=native
--fopenmp` against torch's own headers (about 6 seconds), into $ACCESSORY_CACHE/kernels/<hash of sources, compiler,
-torch and CPU>/, and loaded with torch.ops.load_library. Eager code and torch.compile's generated code both reach
-the kernels through the dispatcher, at C++ cost per call. They share torch's OpenMP runtime (both use
-libgomp.so.1), so torch.set_num_threads sets their threads too.
-
-Where the kernels cannot be built (no compiler) or do not apply (CUDA; many rows at once, where the library's GEMM
-wins), the product dequantizes W in row chunks and calls F.linear: the same values, by other arithmetic.
+cpu_kernels.c (the arithmetic: plain C with AVX-512 or AVX2 intrinsics) and torch_ops.cpp (thin torch operators
+around it) are compiled at first use with the machine's compilers, `-O3 -march=native -fopenmp` against torch's own
+headers (about 6 seconds), into $ACCESSORY_CACHE/kernels/<hash of sources, compilers, torch and CPU>/, and loaded
+with torch.ops.load_library. They share torch's OpenMP runtime (both use libgomp.so.1), so torch.set_num_threads
+sets their threads too. Without a compiler, every caller takes its portable torch path instead (dispatch.py).
 """
 from __future__ import annotations
 
@@ -24,17 +20,12 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from accessory.cache import cache_dir
-from accessory.quant.formats import dequantize
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "ops.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "torch_ops.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC"]
-# Rows of x above which dequantizing W (in chunks) and calling the library's GEMM beats the kernels' dot products.
-KERNEL_MAX_ROWS = 8
-CHUNK_BYTES = 8 << 20  # float32 bytes of W dequantized at once on the portable path
 
 _library: Optional[Path] = None
 _tried = False
@@ -49,10 +40,18 @@ def cpu_kernels() -> bool:
         try:
             path = _build()
             torch.ops.load_library(str(path))
-            torch.library.register_fake("accessory::quantized_linear_cpu")(_fake_product)
+            torch.library.register_fake("accessory::quantized_linear_cpu")(
+                lambda x, fmt, q, scale, minimum: x.new_empty(x.shape[0], q.shape[0]))
+            torch.library.register_fake("accessory::linear_cpu")(lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
+            torch.library.register_fake("accessory::decode_attention_cpu")(lambda q, k, v, positions: q.new_empty(q.shape))
             _library = path
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             log.warning("quantized CPU kernels unavailable (%s); using dequantize + matmul, which is slower", e)
+    return _library is not None
+
+
+def loaded() -> bool:
+    """Whether the kernels are loaded already (without building them): what a compiled graph may call."""
     return _library is not None
 
 
@@ -63,36 +62,6 @@ def kernel_isa() -> str:
     isa = ctypes.CDLL(str(_library)).accessory_kernels_isa  # the library torch loaded, not a second copy
     isa.restype = ctypes.c_char_p
     return isa().decode()
-
-
-def quantized_linear(x: torch.Tensor, fmt: str, q: torch.Tensor, scale: torch.Tensor,
-                     minimum: Optional[torch.Tensor]) -> torch.Tensor:
-    """x (..., in) @ W^T -> (..., out) in x's dtype, W given by its parts in `fmt` (formats.py)."""
-    rows = x.reshape(-1, x.shape[-1])
-    # Under torch.compile the kernels are only used if already loaded (loading the model loads them).
-    loaded = _library is not None if torch.compiler.is_compiling() else cpu_kernels()
-    if x.device.type == "cpu" and rows.shape[0] <= KERNEL_MAX_ROWS and loaded:
-        out = torch.ops.accessory.quantized_linear_cpu(rows.float().contiguous(), fmt, q, scale, minimum)
-        out = out.to(x.dtype)
-    else:
-        out = _dequantized_product(rows, fmt, q, scale, minimum)
-    return out.reshape(*x.shape[:-1], q.shape[0])
-
-
-def _dequantized_product(x, fmt, q, scale, minimum) -> torch.Tensor:
-    """x @ W^T through F.linear, dequantizing at most CHUNK_BYTES of W at a time."""
-    step = max(1, CHUNK_BYTES // (4 * x.shape[-1]))
-    outs = []
-    for start in range(0, q.shape[0], step):
-        parts = {"q": q[start:start + step], "scale": scale[start:start + step]}
-        if minimum is not None:
-            parts["min"] = minimum[start:start + step]
-        outs.append(F.linear(x, dequantize(parts, fmt, x.dtype)))
-    return torch.cat(outs, dim=-1)
-
-
-def _fake_product(x, fmt, q, scale, minimum):
-    return x.new_empty(x.shape[0], q.shape[0])
 
 
 # ---- building ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,79 @@
+"""Which implementation computes each kernel-backed operation: the CPU kernels where they apply, else a portable
+torch path that computes the same values by other arithmetic.
+
+- `linear`: x @ W^T for a float W. The kernel for up to FLOAT_KERNEL_MAX_ROWS rows of float32 on the CPU (decode
+  steps); F.linear (the GEMM library) for more rows, other dtypes and devices.
+- `quantized_linear`: x @ W^T for a quantized W. The kernels take up to KERNEL_MAX_ROWS rows of float32 x on the
+  CPU; more rows (prefill), other devices (CUDA) or no kernels: W is dequantized in row chunks for F.linear.
+- `decode_attention`: one query per cache row over that row's own cached positions. The kernel on the CPU with
+  float32 caches; elsewhere, SDPA over the first `columns` columns with the position mask.
+
+Both are reachable from torch.compile's graphs: the kernels are torch operators with fake implementations.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from accessory.kernels.build import cpu_kernels, loaded
+from accessory.quant.formats import dequantize
+
+# Rows of x above which the library's GEMM beats the kernels: with W float32, and with W quantized (dequantized in
+# chunks first). Measured on SmolLM2's shapes (benchmarks/README.md).
+FLOAT_KERNEL_MAX_ROWS = 16
+KERNEL_MAX_ROWS = 32
+CHUNK_BYTES = 8 << 20  # float32 bytes of W dequantized at once on the portable path
+
+
+def _kernels_here(device: torch.device) -> bool:
+    # Under torch.compile only kernels already loaded are used (loading a model on the CPU loads them).
+    return device.type == "cpu" and (loaded() if torch.compiler.is_compiling() else cpu_kernels())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (..., in) @ weight^T -> (..., out), weight (out, in) float."""
+    rows = x.reshape(-1, x.shape[-1])
+    if (rows.shape[0] <= FLOAT_KERNEL_MAX_ROWS and x.dtype == weight.dtype == torch.float32 and weight.is_contiguous()
+            and weight.shape[1] % 32 == 0 and _kernels_here(x.device)):
+        return torch.ops.accessory.linear_cpu(rows.contiguous(), weight).reshape(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight)
+
+
+def quantized_linear(x: torch.Tensor, fmt: str, q: torch.Tensor, scale: torch.Tensor,
+                     minimum: Optional[torch.Tensor]) -> torch.Tensor:
+    """x (..., in) @ W^T -> (..., out) in x's dtype, W given by its parts in `fmt` (formats.py)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] <= KERNEL_MAX_ROWS and _kernels_here(x.device):
+        out = torch.ops.accessory.quantized_linear_cpu(rows.float().contiguous(), fmt, q, scale, minimum)
+        out = out.to(x.dtype)
+    else:
+        out = _dequantized_product(rows, fmt, q, scale, minimum)
+    return out.reshape(*x.shape[:-1], q.shape[0])
+
+
+def _dequantized_product(x, fmt, q, scale, minimum) -> torch.Tensor:
+    """x @ W^T through F.linear, dequantizing at most CHUNK_BYTES of W at a time."""
+    step = max(1, CHUNK_BYTES // (4 * x.shape[-1]))
+    outs = []
+    for start in range(0, q.shape[0], step):
+        parts = {"q": q[start:start + step], "scale": scale[start:start + step]}
+        if minimum is not None:
+            parts["min"] = minimum[start:start + step]
+        outs.append(F.linear(x, dequantize(parts, fmt, x.dtype)))
+    return torch.cat(outs, dim=-1)
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+    """Attention of one new token per cache row: q (B, 1, H, D); keys and values the whole caches (rows, H_kv, S, D);
+    row b sees its columns 0..positions[b] (`mask` (B, 1, 1, C) says the same for the first C columns) ->
+    (B, H, 1, D). Query head h reads KV head h // (H / H_kv)."""
+    batch, _, heads, dim = q.shape
+    if keys.dtype == torch.float32 and _kernels_here(q.device):
+        out = torch.ops.accessory.decode_attention_cpu(q.reshape(batch, heads, dim).float(), keys, values, positions)
+        return out.to(q.dtype).view(batch, heads, 1, dim)
+    columns = mask.shape[-1]
+    return F.scaled_dot_product_attention(q.transpose(1, 2), keys[:batch, :, :columns], values[:batch, :, :columns],
+                                          attn_mask=mask, enable_gqa=True)

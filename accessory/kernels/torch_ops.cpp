@@ -1,0 +1,77 @@
+// The CPU kernels of kernels.c as torch operators (accessory::linear_cpu, quantized_linear_cpu,
+// decode_attention_cpu),
+// so that eager code and torch.compile's generated code both reach them through the dispatcher at C++ cost.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+extern "C" {
+void accessory_linear_int4(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *scale,
+                           const uint16_t *mins, int64_t N, float *y);
+void accessory_linear_int8(const float *x, int64_t M, int64_t K, const int8_t *q, const uint16_t *scale, int64_t N,
+                           float *y);
+void accessory_linear_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y);
+void accessory_decode_attention(const float *q, const float *k, const float *v, const int64_t *positions, int64_t B,
+                                int64_t H, int64_t Hkv, int64_t S, int64_t D, float *out);
+}
+
+static at::Tensor quantized_linear_cpu(const at::Tensor &x, c10::string_view fmt, const at::Tensor &q,
+                                       const at::Tensor &scale, const std::optional<at::Tensor> &minimum) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+                "quantized_linear_cpu: x must be a contiguous float32 matrix");
+    TORCH_CHECK(q.is_contiguous() && scale.is_contiguous() && scale.scalar_type() == at::kHalf,
+                "quantized_linear_cpu: q and scale must be contiguous, scale float16");
+    const int64_t rows = x.size(0), features = x.size(1), outputs = q.size(0);
+    at::Tensor y = at::empty({rows, outputs}, x.options());
+    const auto *scales = reinterpret_cast<const uint16_t *>(scale.data_ptr());
+    if (fmt == "int4") {
+        TORCH_CHECK(minimum.has_value() && minimum->is_contiguous() && q.scalar_type() == at::kByte &&
+                    q.size(1) * 2 == features, "quantized_linear_cpu: int4 needs uint8 q (out, in / 2) and min");
+        accessory_linear_int4(x.data_ptr<float>(), rows, features, q.data_ptr<uint8_t>(), scales,
+                              reinterpret_cast<const uint16_t *>(minimum->data_ptr()), outputs, y.data_ptr<float>());
+    } else {
+        TORCH_CHECK(fmt == "int8" && q.scalar_type() == at::kChar && q.size(1) == features,
+                    "quantized_linear_cpu: int8 needs int8 q (out, in)");
+        accessory_linear_int8(x.data_ptr<float>(), rows, features, q.data_ptr<int8_t>(), scales, outputs,
+                              y.data_ptr<float>());
+    }
+    return y;
+}
+
+static at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &w) {
+    TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
+                x.is_contiguous() && w.is_contiguous() && x.size(1) == w.size(1) && w.size(1) % 32 == 0,
+                "linear_cpu: x (M, K) and w (N, K) contiguous float32, K a multiple of 32");
+    at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+    accessory_linear_f32(x.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<float>(), w.size(0), y.data_ptr<float>());
+    return y;
+}
+
+static at::Tensor decode_attention_cpu(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+                                       const at::Tensor &positions) {
+    TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                v.scalar_type() == at::kFloat && q.is_contiguous() && k.is_contiguous() && v.is_contiguous() &&
+                positions.scalar_type() == at::kLong && positions.is_contiguous(),
+                "decode_attention_cpu: q (B, H, D), k and v (rows, H_kv, S, D) contiguous float32, positions int64");
+    const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+    TORCH_CHECK(k.size(0) >= batch && k.size(3) == dim && heads % k.size(1) == 0 && positions.numel() == batch,
+                "decode_attention_cpu: shapes do not match");
+    at::Tensor out = at::empty_like(q);
+    accessory_decode_attention(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+                               positions.data_ptr<int64_t>(), batch, heads, k.size(1), k.size(2), dim,
+                               out.data_ptr<float>());
+    return out;
+}
+
+TORCH_LIBRARY(accessory, m) {
+    m.def("quantized_linear_cpu(Tensor x, str fmt, Tensor q, Tensor scale, Tensor? minimum) -> Tensor");
+    m.def("linear_cpu(Tensor x, Tensor w) -> Tensor");
+    m.def("decode_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor positions) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(accessory, CPU, m) {
+    m.impl("quantized_linear_cpu", &quantized_linear_cpu);
+    m.impl("linear_cpu", &linear_cpu);
+    m.impl("decode_attention_cpu", &decode_attention_cpu);
+}

@@ -17,8 +17,10 @@ token ids, with the same thread count, and is made to generate exactly N new tok
 
 Each (engine, batch size) runs in its own subprocess so its memory is its own: `model MiB` is the resident size
 added by loading the model (RSS after loading minus RSS just before), `load peak +MiB` the high-water mark during
-loading above the RSS before it (a float copy of the whole model would show here), `gen + MiB` the high-water mark
-during the timed calls above the loaded size. One warm-up call (it also compiles, for `+compile`), then the median
+loading above the RSS before it, which includes the checkpoint's memory-mapped file pages, and `(anon)` the same
+for anonymous memory alone (RssAnon, sampled every 2 ms): a float copy of the whole model would show there.
+`gen + MiB` is the high-water mark during the timed calls above the loaded size (so compilation's memory, which
+stays, is in it). One warm-up call (it also compiles, for `+compile`), then the median
 of `--repeats` calls. `prefill s` is the time until every row has its first new token; `decode tok/s` is the rest:
 B * (N - 1) tokens over (seconds - prefill s).
 
@@ -163,14 +165,16 @@ def worker(args) -> None:
     tokenizer = Tokenizer.from_path(find_tokenizer([folder]))
     prompt_ids = [tokenizer.encode(p, bos=True, eos=False) for p in prompts]
     n = args.new_tokens
+    prepare(args.worker)  # the engine's libraries imported first: the model's memory is what loading adds
     reset_peak()
-    before = vm_kib("VmRSS")
-    if args.worker.startswith("ours"):
-        run, info = ours_runner(args.worker, prompts, n)
-    elif args.worker == "llama.cpp":
-        run, info = llama_cpp_runner(gguf_path(), tokenizer, prompt_ids, n, args.threads)
-    else:
-        run, info = hf_runner(gguf_path(), tokenizer, prompt_ids, n)
+    before, before_anon = vm_kib("VmRSS"), vm_kib("RssAnon")
+    with AnonPeak() as anon:
+        if args.worker.startswith("ours"):
+            run, info = ours_runner(args.worker, prompts, n)
+        elif args.worker == "llama.cpp":
+            run, info = llama_cpp_runner(gguf_path(), tokenizer, prompt_ids, n, args.threads)
+        else:
+            run, info = hf_runner(gguf_path(), tokenizer, prompt_ids, n)
     loaded, load_peak = vm_kib("VmRSS"), vm_kib("VmHWM")
 
     run()  # warm-up (and compilation)
@@ -183,7 +187,8 @@ def worker(args) -> None:
     if counts != [n] * args.batch:
         raise SystemExit(f"{args.worker}: expected {n} new tokens in each of {args.batch} rows, got {counts}")
     mem = {"peak_kib": maxrss, "loaded_kib": loaded, "model_kib": loaded - before,
-           "load_peak_kib": load_peak - before, "gen_delta_kib": (gen_peak if reset_ok else maxrss) - loaded}
+           "load_peak_kib": load_peak - before, "load_anon_peak_kib": anon.peak - before_anon,
+           "gen_delta_kib": (gen_peak if reset_ok else maxrss) - loaded}
     mem = reduce_over_ranks(mem)
     if mem is None:  # not the source rank
         return
@@ -196,6 +201,25 @@ def worker(args) -> None:
               "prompt_lengths": [len(p) for p in prompt_ids], "tokens": timings[-1]["tokens"],
               "peak_reset": reset_ok, **mem, **info}
     print(MARK + json.dumps(result), flush=True)
+
+
+def prepare(engine: str) -> None:
+    """Import what loading the engine's model imports, and build what it builds once per process."""
+    if engine.startswith("ours"):
+        import safetensors.torch  # noqa: F401
+        import torch._dynamo  # noqa: F401
+
+        from accessory.checkpoint.default_model import ensure_default_model
+        from accessory.kernels import cpu_kernels
+        from accessory.model.meta import MetaModel  # noqa: F401
+        from accessory.model.tokenizer import Tokenizer
+
+        cpu_kernels()
+        Tokenizer.from_path(ensure_default_model())
+    elif engine == "llama.cpp":
+        import llama_cpp  # noqa: F401
+    else:
+        from transformers import AutoModelForCausalLM  # noqa: F401
 
 
 def ours_runner(spec: str, prompts: list[str], n: int):
@@ -335,6 +359,28 @@ def cpu_ticks():
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))  # ranks on this machine when run under torchrun
 
 
+class AnonPeak:
+    """The highest anonymous resident memory (RssAnon: not the file pages a memory-mapped checkpoint brings in,
+    which the kernel may drop) seen while the block runs, sampled every 2 ms from a thread."""
+
+    def __enter__(self):
+        import threading
+
+        self.peak, self._done = vm_kib("RssAnon"), threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.002):
+            self.peak = max(self.peak, vm_kib("RssAnon"))
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, vm_kib("RssAnon"))
+
+
 def vm_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -376,8 +422,8 @@ def reduce_over_ranks(mem: dict):
 def table(results: list[dict]) -> str:
     peers = {name: {r["batch"]: r for r in results if r["engine"].startswith(name)} for name in ("HF", "llama.cpp")}
     lines = ["| engine | batch | new tokens | seconds | (range) | tokens/s | vs HF | vs llama.cpp | prefill s "
-             "| decode tok/s | model MiB | load peak +MiB | gen + MiB | other load |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+             "| decode tok/s | model MiB | load peak +MiB | (anon) | gen + MiB | other load |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in results:
         tps = r["generated"] / r["seconds"]
         ratios = []
@@ -387,7 +433,8 @@ def table(results: list[dict]) -> str:
         lines.append(f"| {r['engine']} | {r['batch']} | {r['generated']} | {r['seconds']:.2f} "
                      f"| {min(r['all_seconds']):.2f}-{max(r['all_seconds']):.2f} | {tps:.1f} | {ratios[0]} "
                      f"| {ratios[1]} | {r['prefill']:.2f} | {decode:.1f} | {r['model_kib'] / 1024:.0f} "
-                     f"| {r['load_peak_kib'] / 1024:.0f} | {r['gen_delta_kib'] / 1024:.0f} | {r['other_load']:.2f} |")
+                     f"| {r['load_peak_kib'] / 1024:.0f} | {r['load_anon_peak_kib'] / 1024:.0f} "
+                     f"| {r['gen_delta_kib'] / 1024:.0f} | {r['other_load']:.2f} |")
     return "\n".join(lines)
 
 

@@ -38,6 +38,13 @@ def test_chat_answers_paris(smollm2_checkpoint, ranks):
     assert "<|im_end|>" not in result.stdout
 
 
+def test_quantized_chat_from_the_command_line_answers_paris():
+    """`--quant int4` with the built-in model: its GGUF's own Q4_1 bits (imported with them kept), at 3 ranks."""
+    result = accessory_cli(["generate", "--chat", "--prompt", QUESTION, "--max_gen_len", "48", "--quant", "int4"], 3)
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout and "quantized weights: 210 int4, 1 int8" in result.stderr
+
+
 def test_two_ranks_are_refused_before_loading(smollm2_checkpoint):
     result = accessory_cli(["generate", "--pretrained_path", str(smollm2_checkpoint), "--prompt", "hi"], ranks=2)
     assert result.returncode != 0

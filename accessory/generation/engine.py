@@ -168,7 +168,8 @@ class Batch:
             local += self._prefill(plan.admit)
         if not local:
             return None
-        logits = self.engine.ctx.gather_to_source(torch.cat(local))  # (rows, vocab padded to the ranks)
+        local = local[0] if len(local) == 1 else torch.cat(local)
+        logits = self.engine.ctx.gather_to_source(local)  # (rows, vocab padded to the ranks)
         return None if logits is None else logits[:, :self.model.args.vocab_size]
 
     def _compact(self, keep: tuple[int, ...]) -> None:

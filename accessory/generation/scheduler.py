@@ -16,7 +16,7 @@ from typing import Any, Collection, Optional, Sequence
 
 import torch
 
-from accessory.generation.sampling import SamplingParams, sample
+from accessory.generation.sampling import SamplingParams, greedy, sample
 from accessory.generation.text import RowText
 
 log = logging.getLogger(__name__)
@@ -195,7 +195,7 @@ class Scheduler:
 
     def _choose(self, logits: torch.Tensor) -> list[int]:
         """Each row's token: plain greedy rows in one argmax, the others with their own parameters and generator."""
-        chosen = logits.argmax(dim=-1).tolist()
+        chosen = greedy(logits).tolist()
         for row, request in enumerate(self.active):
             if not request.params.greedy or request.seen is not None:
                 seen = request.seen[None] if request.seen is not None else None

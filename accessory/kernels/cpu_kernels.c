@@ -61,6 +61,32 @@ INLINE vec vec_load(const float *p) { return _mm512_loadu_ps(p); }
 INLINE vec vec_fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 INLINE vec vec_add(vec a, vec b) { return _mm512_add_ps(a, b); }
 INLINE float vec_sum(vec a) { return _mm512_reduce_add_ps(a); }
+INLINE vec vec_set1(float a) { return _mm512_set1_ps(a); }
+INLINE vec vec_mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+INLINE vec vec_max(vec a, vec b) { return _mm512_max_ps(a, b); }
+INLINE float vec_max_lane(vec a) { return _mm512_reduce_max_ps(a); }
+INLINE void vec_store(float *p, vec a) { _mm512_storeu_ps(p, a); }
+INLINE vec vec_exp2_int(vec n) { /* 2^n for integral n in float range */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+INLINE vec vec_round(vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+/* The 16 sums of v[0..15] in one vector, lane k = sum of v[k]: a transpose-and-add network (about 3 shuffles or
+   adds per sum, where reducing each vector alone takes about 8). */
+INLINE vec vec_sum_lanes(const vec v[LANES]) {
+    __m512 pairs[8], quads[4], halves[2];
+    for (int p = 0; p < 8; p++) /* each 128-bit lane: 2 partial sums of v[2p], 2 of v[2p + 1] */
+        pairs[p] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * p], v[2 * p + 1]), _mm512_unpackhi_ps(v[2 * p], v[2 * p + 1]));
+    for (int q = 0; q < 4; q++) { /* each 128-bit lane: that lane's sums of v[4q..4q+3] */
+        __m512d c = _mm512_castps_pd(pairs[2 * q]), d = _mm512_castps_pd(pairs[2 * q + 1]);
+        quads[q] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)), _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
+    }
+    for (int h = 0; h < 2; h++) /* add 128-bit lanes pairwise, twice: lane l sums v[4l..4l+3] over all lanes */
+        halves[h] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * h], quads[2 * h + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(quads[2 * h], quads[2 * h + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
 
 /* A group's 16 possible values, scale * [0..15] + min (one FMA: the reference's single rounding), turn its nibbles
    into weights with one permute per 16 of them. */
@@ -92,6 +118,31 @@ INLINE float vec_sum(vec a) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+INLINE vec vec_set1(float a) { return _mm256_set1_ps(a); }
+INLINE vec vec_mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+INLINE vec vec_max(vec a, vec b) { return _mm256_max_ps(a, b); }
+INLINE float vec_max_lane(vec a) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+INLINE void vec_store(float *p, vec a) { _mm256_storeu_ps(p, a); }
+INLINE vec vec_exp2_int(vec n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+INLINE vec vec_round(vec a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+/* The 8 sums of v[0..7] in one vector, lane k = sum of v[k] (as the AVX-512 network, one level less). */
+INLINE vec vec_sum_lanes(const vec v[LANES]) {
+    __m256 pairs[4], quads[2];
+    for (int p = 0; p < 4; p++)
+        pairs[p] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * p], v[2 * p + 1]), _mm256_unpackhi_ps(v[2 * p], v[2 * p + 1]));
+    for (int q = 0; q < 2; q++) {
+        __m256d c = _mm256_castps_pd(pairs[2 * q]), d = _mm256_castps_pd(pairs[2 * q + 1]);
+        quads[q] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(c, d)), _mm256_castpd_ps(_mm256_unpackhi_pd(c, d)));
+    }
+    return _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20), _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
+}
 
 INLINE void int4_group(const uint8_t *q, float s, float m, vec w[]) {
     __m128i bytes = _mm_loadu_si128((const __m128i *)q);
@@ -119,6 +170,14 @@ INLINE vec vec_load(const float *p) { return *p; }
 INLINE vec vec_fma(vec a, vec b, vec c) { return a * b + c; }
 INLINE vec vec_add(vec a, vec b) { return a + b; }
 INLINE float vec_sum(vec a) { return a; }
+INLINE vec vec_set1(float a) { return a; }
+INLINE vec vec_mul(vec a, vec b) { return a * b; }
+INLINE vec vec_max(vec a, vec b) { return a > b ? a : b; }
+INLINE float vec_max_lane(vec a) { return a; }
+INLINE void vec_store(float *p, vec a) { *p = a; }
+INLINE vec vec_exp2_int(vec n) { return ldexpf(1.0f, (int)n); }
+INLINE vec vec_round(vec a) { return nearbyintf(a); }
+INLINE vec vec_sum_lanes(const vec v[LANES]) { return v[0]; }
 
 INLINE void int4_group(const uint8_t *q, float s, float m, vec w[]) {
     for (int j = 0; j < GROUP / 2; j++) {
@@ -144,34 +203,13 @@ INLINE void int8_group(const int8_t *q, float s, vec w[]) {
 #define ROWS_OF_W 1
 #endif
 
-#if LANES == 16
-/* The 16 sums of acc[j][r] (j, r < 4) in one vector, lane 4 r + j: a transpose-and-add network (about 3 shuffles or
-   adds per sum, where reducing each vector alone takes about 8). */
-INLINE __m512 sum16(__m512 acc[ROWS_OF_W][ROWS_AT_ONCE][2]) {
-    __m512 pairs[8], quads[4], halves[2];
-    for (int p = 0; p < 8; p++) { /* v[k] = acc[k % 4][k / 4]; each 128-bit lane: 2 partial sums of each pair */
-        __m512 a = acc[(2 * p) % 4][(2 * p) / 4][0], b = acc[(2 * p + 1) % 4][(2 * p + 1) / 4][0];
-        pairs[p] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-    }
-    for (int q = 0; q < 4; q++) { /* each 128-bit lane: that lane's sums of v[4q..4q+3] */
-        __m512d c = _mm512_castps_pd(pairs[2 * q]), d = _mm512_castps_pd(pairs[2 * q + 1]);
-        quads[q] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)), _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
-    }
-    for (int h = 0; h < 2; h++) /* add lanes pairwise, twice: lane l of the result sums v[4l..4l+3] over all lanes */
-        halves[h] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * h], quads[2 * h + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(quads[2 * h], quads[2 * h + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-#endif
-
 /* ---- a tile: tile_n rows of W against tile_m rows of x ------------------------------------------------------- */
 
 /* W's rows are `row_bytes` apart from q; s and mn hold each row's group scales and mins as floats, `groups` apart.
    `tile_m`, `tile_n` and `bits` (4, 8, or 32 for float32 W) are constants at every call (the dispatch below), so
    the branches fold away. */
 INLINE void dot_tile(const float *x, int64_t K, const uint8_t *q, int64_t row_bytes, const float *s, const float *mn,
-                     float *y, int64_t N, const int tile_m, const int tile_n, const int bits) {
+                     float *y, int64_t N, const int tile_m, const int tile_n, const int bits, const int prefetch) {
     const int64_t groups = K / GROUP, group_bytes = GROUP * bits / 8;
     /* Prefetch the next tile's rows (a tile of float32 rows is longer than PREFETCH_BYTES). */
     const int64_t ahead = tile_n * row_bytes > PREFETCH_BYTES ? tile_n * row_bytes : PREFETCH_BYTES;
@@ -184,8 +222,10 @@ INLINE void dot_tile(const float *x, int64_t K, const uint8_t *q, int64_t row_by
         for (int j = 0; j < tile_n; j++) {
             const uint8_t *qg = q + j * row_bytes + g * group_bytes;
 #if LANES > 1
-            _mm_prefetch((const char *)qg + ahead, _MM_HINT_T0);
-            if (bits == 32) _mm_prefetch((const char *)qg + ahead + 64, _MM_HINT_T0);
+            if (prefetch) {
+                _mm_prefetch((const char *)qg + ahead, _MM_HINT_T0);
+                if (bits == 32) _mm_prefetch((const char *)qg + ahead + 64, _MM_HINT_T0);
+            }
 #endif
             if (bits == 4)
                 int4_group(qg, s[j * groups + g], mn[j * groups + g], w[j]);
@@ -203,13 +243,14 @@ INLINE void dot_tile(const float *x, int64_t K, const uint8_t *q, int64_t row_by
     if (split == 2)
         for (int j = 0; j < tile_n; j++)
             for (int r = 0; r < tile_m; r++) acc[j][r][0] = vec_add(acc[j][r][0], acc[j][r][1]);
-#if LANES == 16
-    if (tile_n == 4 && tile_m == 4) { /* a full tile: its 16 sums in one vector, then 4 stores */
-        __m512 sums = sum16(acc);
-        for (int r = 0; r < 4; r++) _mm_storeu_ps(y + r * N, _mm512_extractf32x4_ps(sums, r));
+    if (tile_n * tile_m == LANES && LANES > 1) { /* a full tile: its sums in one vector (lane tile_n r + j) */
+        vec each[LANES], sums[1];
+        for (int r = 0; r < tile_m; r++)
+            for (int j = 0; j < tile_n; j++) each[r * tile_n + j] = acc[j][r][0];
+        vec_store((float *)sums, vec_sum_lanes(each));
+        for (int r = 0; r < tile_m; r++) memcpy(y + r * N, (float *)sums + r * tile_n, tile_n * sizeof(float));
         return;
     }
-#endif
     for (int j = 0; j < tile_n; j++)
         for (int r = 0; r < tile_m; r++) y[r * N + j] = vec_sum(acc[j][r][0]);
 }
@@ -224,14 +265,19 @@ INLINE void tile_columns(const float *x, int64_t M, int64_t K, const uint8_t *q,
         s[i] = half_to_float(scale[i]);
         mn[i] = bits == 4 ? half_to_float(mins[i]) : 0.0f;
     }
+    /* The first pass over the tile prefetches the next one; the others find this one in the cache. */
     int64_t m = 0;
-    for (; m + ROWS_AT_ONCE <= M; m += ROWS_AT_ONCE)
-        dot_tile(x + m * K, K, q, row_bytes, s, mn, y + m * N, N, ROWS_AT_ONCE, tile_n, bits);
+    if (M >= ROWS_AT_ONCE) {
+        dot_tile(x, K, q, row_bytes, s, mn, y, N, ROWS_AT_ONCE, tile_n, bits, 1);
+        for (m = ROWS_AT_ONCE; m + ROWS_AT_ONCE <= M; m += ROWS_AT_ONCE)
+            dot_tile(x + m * K, K, q, row_bytes, s, mn, y + m * N, N, ROWS_AT_ONCE, tile_n, bits, 0);
+    }
+    const int first = m == 0;
     _Static_assert(ROWS_AT_ONCE == 4, "the rows of x left over are 1, 2 or 3");
     switch (M - m) {
-        case 3: dot_tile(x + m * K, K, q, row_bytes, s, mn, y + m * N, N, 3, tile_n, bits); break;
-        case 2: dot_tile(x + m * K, K, q, row_bytes, s, mn, y + m * N, N, 2, tile_n, bits); break;
-        case 1: dot_tile(x + m * K, K, q, row_bytes, s, mn, y + m * N, N, 1, tile_n, bits); break;
+        case 3: dot_tile(x + m * K, K, q, row_bytes, s, mn, y + m * N, N, 3, tile_n, bits, first); break;
+        case 2: dot_tile(x + m * K, K, q, row_bytes, s, mn, y + m * N, N, 2, tile_n, bits, first); break;
+        case 1: dot_tile(x + m * K, K, q, row_bytes, s, mn, y + m * N, N, 1, tile_n, bits, first); break;
     }
 }
 
@@ -275,6 +321,62 @@ void accessory_linear_f32(const float *x, int64_t M, int64_t K, const float *w, 
 
 /* ---- attention of one new token per row, over its own cached positions ------------------------------------- */
 
+/* e^x for x <= 0 (softmax's shifted scores), LANES at a time: Cephes' expf (2^n times a degree-6 polynomial of the
+   rest; within 2 ulp of expf), so the loop needs no libm call per score. */
+INLINE vec vec_exp(vec x) {
+    x = vec_max(x, vec_set1(-87.0f)); /* e^-87 is ~1e-38: below that, a score counts as nothing anyway */
+    vec n = vec_round(vec_mul(x, vec_set1(1.44269504088896341f))); /* x log2(e) */
+    vec r = vec_fma(n, vec_set1(-0.693359375f), x);                /* x - n ln2, in two exact-enough parts */
+    r = vec_fma(n, vec_set1(2.12194440e-4f), r);
+    vec p = vec_set1(1.9875691500e-4f);
+    p = vec_fma(p, r, vec_set1(1.3981999507e-3f));
+    p = vec_fma(p, r, vec_set1(8.3334519073e-3f));
+    p = vec_fma(p, r, vec_set1(4.1665795894e-2f));
+    p = vec_fma(p, r, vec_set1(1.6666665459e-1f));
+    p = vec_fma(p, r, vec_set1(5.0000001201e-1f));
+    p = vec_fma(p, vec_mul(r, r), vec_add(r, vec_set1(1.0f)));
+    return vec_mul(p, vec_exp2_int(n));
+}
+
+/* scores[c] = q . k[c] * scale for c < columns; LANES columns at a time, their sums in one vector. */
+INLINE void attention_scores(const float *q, const float *k, int64_t columns, int64_t D, float scale, float *scores) {
+    int64_t c = 0;
+    if (D % LANES == 0 && LANES > 1) {
+        for (; c + LANES <= columns; c += LANES) {
+            vec each[LANES];
+            for (int l = 0; l < LANES; l++) {
+                each[l] = vec_zero();
+                for (int64_t d = 0; d < D; d += LANES)
+                    each[l] = vec_fma(vec_load(q + d), vec_load(k + (c + l) * D + d), each[l]);
+            }
+            vec_store(scores + c, vec_mul(vec_sum_lanes(each), vec_set1(scale)));
+        }
+    }
+    for (; c < columns; c++) {
+        float dot = 0.0f;
+        for (int64_t d = 0; d < D; d++) dot += q[d] * k[c * D + d];
+        scores[c] = dot * scale;
+    }
+}
+
+/* out[d] = norm * sum_c weights[c] v[c, d], for c < columns: LANES values of d at a time, in registers. */
+INLINE void attention_values(const float *weights, const float *v, int64_t columns, int64_t D, float norm, float *out) {
+    if (D % LANES == 0 && D <= 8 * LANES && LANES > 1) {
+        vec acc[8];
+        for (int64_t i = 0; i < D / LANES; i++) acc[i] = vec_zero();
+        for (int64_t c = 0; c < columns; c++) {
+            const vec weight = vec_set1(weights[c]);
+            for (int64_t i = 0; i < D / LANES; i++) acc[i] = vec_fma(weight, vec_load(v + c * D + i * LANES), acc[i]);
+        }
+        for (int64_t i = 0; i < D / LANES; i++) vec_store(out + i * LANES, vec_mul(acc[i], vec_set1(norm)));
+        return;
+    }
+    for (int64_t d = 0; d < D; d++) out[d] = 0.0f;
+    for (int64_t c = 0; c < columns; c++)
+        for (int64_t d = 0; d < D; d++) out[d] += weights[c] * v[c * D + d];
+    for (int64_t d = 0; d < D; d++) out[d] *= norm;
+}
+
 /* out (B, H, D) = softmax(q . k / sqrt(D)) . v over cache columns 0..positions[b] of cache row b, query head h
    reading KV head h / (H / Hkv) (grouped-query attention). q (B, H, D); k, v (rows, Hkv, S, D) float32 caches.
    Columns past a row's position are never read, so one call serves rows at any mix of positions. */
@@ -284,24 +386,16 @@ void accessory_decode_attention(const float *q, const float *k, const float *v, 
 #pragma omp parallel for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < H; h++) {
-            const int64_t columns = positions[b] + 1, head = h / (H / Hkv);
-            const float *qh = q + (b * H + h) * D;
+            const int64_t columns = positions[b] + 1, head = h / (H / Hkv), padded = (columns + LANES - 1) / LANES * LANES;
             const float *kh = k + (b * Hkv + head) * S * D, *vh = v + (b * Hkv + head) * S * D;
-            float *oh = out + (b * H + h) * D, scores[columns], top = -INFINITY, total = 0.0f;
-            for (int64_t c = 0; c < columns; c++) {
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < D; d++) dot += qh[d] * kh[c * D + d];
-                scores[c] = dot * scale;
-                top = scores[c] > top ? scores[c] : top;
-            }
-            for (int64_t c = 0; c < columns; c++) total += scores[c] = expf(scores[c] - top);
-            for (int64_t d = 0; d < D; d++) oh[d] = 0.0f;
-            for (int64_t c = 0; c < columns; c++) {
-                const float weight = scores[c] / total;
-#pragma omp simd
-                for (int64_t d = 0; d < D; d++) oh[d] += weight * vh[c * D + d];
-            }
+            float *oh = out + (b * H + h) * D, scores[padded], top = -INFINITY, total = 0.0f;
+            attention_scores(q + (b * H + h) * D, kh, columns, D, scale, scores);
+            for (int64_t c = 0; c < columns; c++) top = scores[c] > top ? scores[c] : top;
+            for (int64_t c = columns; c < padded; c++) scores[c] = top; /* read by the last vector, not summed */
+            for (int64_t c = 0; c < padded; c += LANES)
+                vec_store(scores + c, vec_exp(vec_add(vec_load(scores + c), vec_set1(-top))));
+            for (int64_t c = 0; c < columns; c++) total += scores[c];
+            attention_values(scores, vh, columns, D, 1.0f / total, oh);
         }
 }
 

@@ -1,0 +1,156 @@
+"""Weight-only quantized (and float32) matrix products on the CPU: every candidate on one pass over the built-in
+model's linear layers, at the decode batch sizes that matter.
+
+A "pass" is what one decode step multiplies: per layer x @ W^T with W of shapes wqkv (960, 576), wo (576, 576),
+w1|w3 (3072, 576) and w2 (576, 1536), 30 layers, then the output head (49152, 576); 121 products, each W distinct (so
+the weights stream from memory, as in the model). x has M rows (the batch). Random weights of the right shapes and
+formats: speed depends on shapes and bytes, not values. Median of `--repeats` passes, in ms; all candidates in one
+run, one thread count.
+
+Candidates:
+- float32: F.linear (the BLAS library torch ships, MKL on x86), and ours (accessory::linear_cpu, kernels/).
+- int8: torch's `_weight_int8pack_mm` (per-channel scales), FBGEMM's `quantized.linear_dynamic` (per-channel, and
+  it also quantizes x, so not weight-only), inductor-compiled dequantize + F.linear (groups of 32), and ours.
+- int4: torch's `_weight_int4pack_mm_for_cpu` (groups of 32), inductor-compiled dequantize + F.linear (groups of
+  32), and ours (groups of 32, GGUF's layout).
+
+    python benchmarks/kernels.py --rows 1 16 --repeats 5 --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+GROUP = 32
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--only", nargs="+", help="run only the candidates whose name contains one of these")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from accessory.kernels import cpu_kernels, kernel_isa
+
+    cpu_kernels()
+    print(f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, ours built for {kernel_isa()}, "
+          f"{args.threads} threads; ms per pass over SmolLM2-135M's 121 products (median of {args.repeats})\n")
+    weights = [torch.randn(n, k) * 0.05 for n, k in SHAPES]
+    candidates = [c for c in CANDIDATES if not args.only or any(o in c[0] for o in args.only)]
+    rows_header = " | ".join(f"M={m}" for m in args.rows)
+    print(f"| candidate | bytes of W | {rows_header} |")
+    print("|---|--:|" + "--:|" * len(args.rows))
+    for name, prepare in candidates:
+        try:
+            product, nbytes = prepare(weights)
+            times = [pass_ms(product, m, args.repeats) for m in args.rows]
+            print(f"| {name} | {nbytes / 2 ** 20:.0f} MiB | " + " | ".join(f"{t:.2f}" for t in times) + " |", flush=True)
+        except Exception as e:  # a candidate this torch build lacks: say so, go on
+            print(f"| {name} | - | failed: {type(e).__name__}: {str(e).splitlines()[0][:80]} |", flush=True)
+
+
+def pass_ms(product, rows: int, repeats: int) -> float:
+    xs = {k: torch.randn(rows, k) for k in {k for _, k in SHAPES}}
+    run = lambda: [product(i, xs[k]) for i, (_, k) in enumerate(SHAPES)]  # noqa: E731
+    run()
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+# ---- candidates: each returns (product(i, x) -> y, bytes of all W) ---------------------------------------------------
+
+def fp32_library(weights):
+    return (lambda i, x: F.linear(x, weights[i])), sum(w.numel() * 4 for w in weights)
+
+
+def fp32_ours(weights):
+    from accessory.kernels import linear
+
+    return (lambda i, x: linear(x, weights[i])), sum(w.numel() * 4 for w in weights)
+
+
+def per_channel_int8(weights):
+    scales = [w.abs().amax(1) / 127 for w in weights]
+    return [(w / s[:, None]).round().to(torch.int8) for w, s in zip(weights, scales)], scales
+
+
+def int8_pack_mm(weights):
+    q, scales = per_channel_int8(weights)
+    return (lambda i, x: torch._weight_int8pack_mm(x, q[i], scales[i])), sum(t.numel() for t in q)
+
+
+def int8_fbgemm(weights):
+    packed = [torch.ops.quantized.linear_prepack(
+        torch.quantize_per_channel(w, w.abs().amax(1) / 127, torch.zeros(w.shape[0], dtype=torch.long), 0,
+                                   torch.qint8), None) for w in weights]
+    return (lambda i, x: torch.ops.quantized.linear_dynamic(x, packed[i])), sum(w.numel() for w in weights)
+
+
+def grouped(weights, fmt):
+    from accessory.quant.formats import quantize
+
+    parts = [quantize(w, fmt) for w in weights]
+    return parts, sum(t.numel() * t.element_size() for p in parts for t in p.values())
+
+
+def compiled_dequantize(fmt):
+    def prepare(weights):
+        from accessory.quant.formats import dequantize
+
+        parts, nbytes = grouped(weights, fmt)
+        product = torch.compile(lambda x, p: F.linear(x, dequantize(p, fmt)), dynamic=False)
+        return (lambda i, x: product(x, parts[i])), nbytes
+    return prepare
+
+
+def ours(fmt):
+    def prepare(weights):
+        from accessory.kernels import quantized_linear
+
+        parts, nbytes = grouped(weights, fmt)
+        return (lambda i, x: quantized_linear(x, fmt, parts[i]["q"], parts[i]["scale"], parts[i].get("min"))), nbytes
+    return prepare
+
+
+def int4_pack_mm(weights):
+    from accessory.quant.formats import quantize, unpack_int4
+
+    packed, scales_zeros, nbytes = [], [], 0
+    for w in weights:
+        parts = quantize(w, "int4")
+        q = unpack_int4(parts["q"]).to(torch.int32)  # (N, K) values 0..15
+        packed.append(torch._convert_weight_to_int4pack_for_cpu(q, 2))
+        # torch's form: W = (q - 8) * scale + zero, scales and zeros (K / group, N, 2)
+        scale = parts["scale"].float()
+        zero = parts["min"].float() + 8 * scale
+        scales_zeros.append(torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous())
+        nbytes += packed[-1].numel() * packed[-1].element_size() + scales_zeros[-1].numel() * 4
+    return (lambda i, x: torch._weight_int4pack_mm_for_cpu(x, packed[i], GROUP, scales_zeros[i])), nbytes
+
+
+CANDIDATES = [
+    ("float32 F.linear (torch's BLAS)", fp32_library),
+    ("float32 ours (accessory::linear_cpu)", fp32_ours),
+    ("int8 torch._weight_int8pack_mm (per channel)", int8_pack_mm),
+    ("int8 FBGEMM linear_dynamic (per channel; quantizes x too)", int8_fbgemm),
+    ("int8 torch.compile(dequantize + F.linear), groups of 32", compiled_dequantize("int8")),
+    ("int8 ours, groups of 32", ours("int8")),
+    ("int4 torch._weight_int4pack_mm_for_cpu, groups of 32", int4_pack_mm),
+    ("int4 torch.compile(dequantize + F.linear), groups of 32", compiled_dequantize("int4")),
+    ("int4 ours, groups of 32 (GGUF Q4_1 layout)", ours("int4")),
+]
+
+if __name__ == "__main__":
+    main()

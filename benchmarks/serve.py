@@ -10,9 +10,10 @@ as they come. Per concurrency it reports:
 - `TTFT p50 / p90`: seconds from sending a request to its first content chunk;
 - `x 1 client`: aggregate tok/s relative to C = 1 in the same run (continuous batching should make it several).
 
-One warm-up request first. The server is stopped with SIGTERM at the end.
+Warm-up first: one request alone, then two together. The server is stopped with SIGTERM at the end.
 
-    python benchmarks/serve.py --clients 1 4 16 --requests 2 --max-tokens 64 [--nproc 1] [--threads 2]
+    python benchmarks/serve.py --clients 1 4 16 --requests 2 --max-tokens 64 [--nproc 1] [--threads 2] \
+        [--serve-args --quant int4 --compile]
 """
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=1, help="model-parallel ranks (1, 3 or 9 for SmolLM2)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads in all")
     parser.add_argument("--out", type=Path, help="also write the results as JSON here")
+    parser.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
+                        help="more flags for `accessory serve` (last), e.g. --quant int4 --compile")
     args = parser.parse_args()
 
     port = free_port()
@@ -49,7 +52,11 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, server)
-        one_request(url, "Say hello.", args.max_tokens)  # warm-up
+        # warm-up: one request alone, then two together (a compiled step has a graph for each: see --compile)
+        one_request(url, "Say hello.", args.max_tokens)
+        warm = [threading.Thread(target=one_request, args=(url, "Say hello.", args.max_tokens)) for _ in range(2)]
+        [t.start() for t in warm]
+        [t.join() for t in warm]
         results = [run_clients(url, clients, args) for clients in args.clients]
     finally:
         server.send_signal(signal.SIGTERM)
@@ -74,7 +81,8 @@ def free_port() -> int:
 
 def start_server(port: int, args) -> subprocess.Popen:
     threads = max(1, args.threads // args.nproc)
-    serve = ["-m", "accessory", "serve", "--port", str(port), "--max_seq_len", "1024", "--max_batch_size", "16"]
+    serve = ["-m", "accessory", "serve", "--port", str(port), "--max_seq_len", "1024", "--max_batch_size", "16",
+             *args.serve_args]
     if args.nproc == 1:
         command = [sys.executable, *serve]
     else:

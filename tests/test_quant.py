@@ -249,3 +249,19 @@ def test_requantizing_or_quantizing_twice_is_refused(kept_checkpoint, tmp_path):
         quantize_checkpoint(kept_checkpoint, tmp_path / "again", "int8")
     with pytest.raises(ConfigError, match="quant must be"):
         MetaModel.from_pretrained(kept_checkpoint, quant="int3")
+
+
+def test_a_split_off_the_quantization_groups_is_refused_by_name():
+    """At 2 ranks the tiny model's 96 attention outputs (and embedding features) split 48 + 48: not whole groups
+    of 32. The refusal names the weight, the slice and the group size."""
+    from accessory.errors import ConfigError
+    from accessory.model.LLM.llama import ModelArgs, Transformer
+    from accessory.parallel import ParallelContext
+
+    from tiny import TINY_CONFIGS
+
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(**TINY_CONFIGS["mha"]), ParallelContext(None, 0, 2, 0))
+    with pytest.raises(ConfigError, match=r"cannot quantize layers.0.attention.wo.weight as int8: this rank's "
+                                          r"inputs \[0, 48\) of 96 do not fall on quantization groups of 32"):
+        model.quantize_(model.quantization_plan("int8"))

@@ -15,11 +15,14 @@ the joining prompts packed into one sequence.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from dataclasses import dataclass, replace
 from typing import Collection, Iterator, Optional
 
 import torch
 
+from accessory.errors import ConfigError
 from accessory.generation.scheduler import Event, Plan, Request, Scheduler
 from accessory.model.components import decode_mask
 
@@ -55,6 +58,9 @@ class Engine:
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         self.ctx = model.ctx
         self.stop_ids = set(stop_ids)  # EOS and the chat template's end-of-turn token: they end any request
+        if settings.compile and model.device.type == "cpu" and not shutil.which(os.environ.get("CXX", "c++")):
+            raise ConfigError("compile=True on the CPU needs a C++ compiler (torch's inductor writes C++): install "
+                              "one (g++), or run without --compile")
         self.decode_step = compiled(model.decode, model.device) if settings.compile else model.decode
 
     def configured(self, **changes) -> "Engine":

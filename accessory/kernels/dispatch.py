@@ -1,8 +1,9 @@
 """Which implementation computes each kernel-backed operation: the CPU kernels where they apply, else a portable
 torch path that computes the same values by other arithmetic.
 
-- `linear`: x @ W^T for a float W. The kernel for up to FLOAT_KERNEL_MAX_ROWS rows of float32 on the CPU (decode
-  steps); F.linear (the GEMM library) for more rows, other dtypes and devices.
+- `linear`: x @ W^T for a float W. The kernel for 2 to FLOAT_KERNEL_MAX_ROWS rows of float32 on the CPU (batched
+  decode steps); F.linear (the BLAS library) for one row (its matrix-vector product is as fast: both stream W at the
+  memory's speed), more rows, other dtypes and devices.
 - `quantized_linear`: x @ W^T for a quantized W. The kernels take up to KERNEL_MAX_ROWS rows of float32 x on the
   CPU; more rows (prefill), other devices (CUDA) or no kernels: W is dequantized in row chunks for F.linear.
 - `decode_attention`: one query per cache row over that row's own cached positions. The kernel on the CPU with
@@ -35,8 +36,8 @@ def _kernels_here(device: torch.device) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (..., in) @ weight^T -> (..., out), weight (out, in) float."""
     rows = x.reshape(-1, x.shape[-1])
-    if (rows.shape[0] <= FLOAT_KERNEL_MAX_ROWS and x.dtype == weight.dtype == torch.float32 and weight.is_contiguous()
-            and weight.shape[1] % 32 == 0 and _kernels_here(x.device)):
+    fits = x.dtype == weight.dtype == torch.float32 and weight.is_contiguous() and weight.shape[1] % 32 == 0
+    if fits and 2 <= rows.shape[0] <= FLOAT_KERNEL_MAX_ROWS and _kernels_here(x.device):
         return torch.ops.accessory.linear_cpu(rows.contiguous(), weight).reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)
 

@@ -48,10 +48,13 @@ class QuantizedWeight(nn.Module):
         return dequantize(self.parts, self.fmt, dtype)
 
     @torch.no_grad()
-    def quantize_from(self, weight: torch.Tensor) -> None:
-        """Fill the parts from this rank's float slice `weight` (out, in)."""
-        for name, value in quantize(weight, self.fmt).items():
-            getattr(self, name).copy_(value)
+    def quantize_from(self, weight: torch.Tensor, rows_at_once: int = 4096) -> None:
+        """Fill the parts from this rank's float slice `weight` (out, in), a block of rows at a time (quantizing
+        makes float temporaries of what it is given: a block's, not the whole weight's)."""
+        for start in range(0, weight.shape[0], rows_at_once):
+            block = slice(start, start + rows_at_once)
+            for name, value in quantize(weight[block], self.fmt).items():
+                getattr(self, name)[block].copy_(value)
 
     @property
     def nbytes(self) -> int:

@@ -32,6 +32,7 @@ from typing import Callable, Optional, Union
 import torch.distributed as dist
 
 from accessory.errors import AccessoryError
+from accessory.generation.scheduler import Event
 from accessory.parallel.context import GroupLayout, ParallelContext, data_parallel_layout
 
 log = logging.getLogger(__name__)
@@ -331,7 +332,8 @@ def split_jobs(jobs: list[Job], dp_size: int, max_gen_len: int) -> list[list[Job
 
 # ---- generation (every rank of a group; its source writes) -----------------------------------------------------------
 
-def generate_jobs(model, jobs: list[Job], sampling: dict, batch_size: int, on_done: Callable[[Job, dict], None]) -> None:
+def generate_jobs(model, jobs: list[Job], sampling: dict, batch_size: int,
+                  on_done: Callable[[Job, Event], None]) -> None:
     """Generate every job, each with its own stop strings; `on_done(job, last event)` as each one ends, while the
     others go on (on the source rank; the other ranks hear of each chunk's ends when it is over)."""
     chunk = batch_size * CHUNK_BATCHES
@@ -347,7 +349,7 @@ def generate_jobs(model, jobs: list[Job], sampling: dict, batch_size: int, on_do
         assert all(written), "stream_generate ended before every row's end_of_content"
 
 
-def output_row(job: Job, event: dict, max_gen_len: int, max_seq_len: int) -> dict:
+def output_row(job: Job, event: Event, max_gen_len: int, max_seq_len: int) -> dict:
     return {"id": job.id, "output": event.text, "finish_reason": event.finish_reason,
             "prompt_tokens": job.prompt_tokens, "output_tokens": event.completion_tokens,
             # the engine keeps a too-long prompt's last tokens (with a warning); say so where the answer is
@@ -366,7 +368,7 @@ def run_group(model, layout: GroupLayout, jobs: list[Job], options: BatchOptions
     bar = tqdm(total=len(jobs), disable=not leader, unit="record", file=sys.stderr,
                desc=f"batch (group 0 of {layout.dp_size})" if layout.dp_size > 1 else "batch")
 
-    def on_done(job: Job, event: dict) -> None:
+    def on_done(job: Job, event: Event) -> None:
         if writer is not None:
             stats.output_tokens += event.completion_tokens
             writer.write(output_row(job, event, sampling["max_gen_len"], options.max_seq_len))

@@ -51,7 +51,8 @@ def main() -> None:
         try:
             product, nbytes = prepare(weights)
             times = [pass_ms(product, m, args.repeats) for m in args.rows]
-            print(f"| {name} | {nbytes / 2 ** 20:.0f} MiB | " + " | ".join(f"{t:.2f}" for t in times) + " |", flush=True)
+            cells = " | ".join(f"{t:.2f}" for t in times)
+            print(f"| {name} | {nbytes / 2 ** 20:.0f} MiB | {cells} |", flush=True)
         except Exception as e:  # a candidate this torch build lacks: say so, go on
             print(f"| {name} | - | failed: {type(e).__name__}: {str(e).splitlines()[0][:80]} |", flush=True)
 

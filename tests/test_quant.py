@@ -218,7 +218,7 @@ def test_perplexity_int8_within_1_percent_int4_within_5_percent(models):
     assert abs(perplexity["int4-kept"] / base - 1) <= 0.001, perplexity
 
 
-# ---- quantized checkpoints --------------------------------------------------------------------------------------------
+# ---- quantized checkpoints ------------------------------------------------------------------------------------------
 
 def test_quantized_checkpoint_is_what_loading_quantizes_and_reshards_3_to_1_to_9(tmp_path, smollm2_checkpoint, models):
     from accessory.checkpoint.quantize import quantize_checkpoint

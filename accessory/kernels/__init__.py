@@ -1,6 +1,6 @@
-"""Kernels the runtime compiles for the machine it runs on (cpu_kernels.c, torch_ops.cpp): weight-only quantized
-matrix products for decode steps' few rows (float32 and quantized weights) and decode attention on the CPU. build.py compiles and loads them; dispatch.py picks them or the
-portable torch path for each call."""
+"""Kernels the runtime compiles for the machine it runs on (cpu_kernels.c, torch_ops.cpp): matrix products for a
+decode step's few rows (float32 and weight-only quantized weights) and decode attention, on the CPU. build.py
+compiles and loads them; dispatch.py picks them, or the portable torch path, for each call."""
 from accessory.kernels.build import cpu_kernels, kernel_isa
 from accessory.kernels.dispatch import decode_attention, linear, quantized_linear
 

@@ -43,7 +43,7 @@ def cpu_kernels() -> bool:
             torch.library.register_fake("accessory::quantized_linear_cpu")(
                 lambda x, fmt, q, scale, minimum: x.new_empty(x.shape[0], q.shape[0]))
             torch.library.register_fake("accessory::linear_cpu")(lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
-            torch.library.register_fake("accessory::decode_attention_cpu")(lambda q, k, v, positions: q.new_empty(q.shape))
+            torch.library.register_fake("accessory::decode_attention_cpu")(lambda q, k, v, pos: q.new_empty(q.shape))
             _library = path
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             log.warning("quantized CPU kernels unavailable (%s); using dequantize + matmul, which is slower", e)

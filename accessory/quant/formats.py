@@ -1,15 +1,16 @@
 """The two weight-only formats: a weight W (out, in) in groups of GROUP consecutive inputs, each group with its own
-float16 scale (and minimum, for int4). Pure torch, any device; the fast CPU products are in kernels.py.
+float16 scale (and minimum, for int4). Pure torch, any device; the fast CPU products are in accessory/kernels/.
 
-| format | tensors (out = rows of W, groups = in / 32)                    | W[n, k] (g = k // 32)          | bits/weight |
-|--------|----------------------------------------------------------------|--------------------------------|-------------|
-| int8   | q int8 (out, in), scale fp16 (out, groups)                     | scale[n, g] * q[n, k]          | 8.5         |
-| int4   | q uint8 (out, in / 2), scale, min fp16 (out, groups)           | scale[n, g] * q4[n, k] + min   | 5           |
+| format | tensors (out = rows of W, groups = in / 32)          | W[n, k] (g = k // 32)          | bits/weight |
+|--------|------------------------------------------------------|--------------------------------|-------------|
+| int8   | q int8 (out, in), scale fp16 (out, groups)           | scale[n, g] * q[n, k]          | 8.5         |
+| int4   | q uint8 (out, in / 2), scale, min fp16 (out, groups) | scale[n, g] * q4[n, k] + min   | 5           |
 
 int4 packs two values per byte in GGUF's order: in each group's 16 bytes, byte j holds element j in its low nibble and
 element j + 16 in its high one. So llama.cpp's Q8_0 (int8), Q4_1 (int4) and Q4_0 (int4 with min = -8 * scale) map
 onto these formats bit for bit (checkpoint/importers/gguf.py), and dequantize to exactly what the `gguf` package
-gives. The quantizers here round as llama.cpp's Q8_0 and Q4_1 do.
+gives. The quantizers follow llama.cpp's Q8_0 and Q4_1 (scale = max |w| / 127; scale = (max - min) / 15 and min),
+rounding each value against the float16 scale and minimum that are stored.
 """
 from __future__ import annotations
 

@@ -27,7 +27,8 @@ def model_layout(llama_type: str, config: dict, source: str,
 
     model_args, transformer = model_classes(llama_type, source=source)
     args = model_args.from_dict(config, source=source)
-    return {name: tuple(t.shape) for name, t in meta_model(transformer, args, 0, 1, quantization).saved_tensors().items()}
+    model = meta_model(transformer, args, 0, 1, quantization)
+    return {name: tuple(t.shape) for name, t in model.saved_tensors().items()}
 
 
 def read_sharded(folder, llama_type: Optional[str] = None, llama_config: Sequence[str] = (),

@@ -9,8 +9,8 @@ gathered to the source rank alone.
 
 A row's token at position p lives in KV-cache column p: rows at different positions share one cache, nothing is
 padded, and a row that leaves frees its cache row at once (a live row from the end takes its place). A step decodes
-the kept rows with `Transformer.decode` (static shapes, compiled once per shape when `compile` is on) and prefills
-the joining prompts packed into one sequence.
+the kept rows with `Transformer.decode` (static shapes, no host sync; with `compile`, one compiled graph with symbolic
+sizes, and one for a single row) and prefills the joining prompts packed into one sequence.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class EngineSettings:
     """How the engine runs a model, chosen when loading it (MetaModel.from_pretrained, the CLI's flags).
 
     `max_batch_size`: rows decoded together; more requests wait for a free row. `compile`: compile the decode
-    step with torch.compile (CUDA graphs on CUDA): a slower first call per shape, faster steps after.
+    step with torch.compile (CUDA graphs on CUDA): tens of seconds at the first call, faster steps after.
     `keep_cache_bytes`: after a run, a KV cache up to this size stays allocated for the next one."""
     max_batch_size: int = 32
     compile: bool = False

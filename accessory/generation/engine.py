@@ -227,7 +227,9 @@ class Batch:
 
 def compiled(decode, device: torch.device):
     """`decode` under torch.compile, as one graph with symbolic sizes (rows and columns vary as requests come and
-    go; a size of 1 gets its own graph), captured as CUDA graphs on CUDA (one per shape the buckets allow).
+    go; a size of 1 gets its own graph), captured as CUDA graphs on CUDA (one per shape the buckets allow). On the
+    CPU, inductor's wrapper that calls the graph's kernels is C++ (`cpp_wrapper`), not Python: with about 150 calls
+    per step, 1.7 ms less per step here.
 
     Guards: dynamo re-checks every module attribute the step reads on every call (about 1 ms here). Only tensor
     guards are kept, on every tensor but the parameters (the inputs, the KV cache, the quantized weights): a
@@ -235,6 +237,8 @@ def compiled(decode, device: torch.device):
     options = {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}
     if device.type == "cuda":
         options["triton.cudagraphs"] = True
+    else:
+        options["cpp_wrapper"] = True
     return torch.compile(decode, fullgraph=True, dynamic=True, options=options)
 
 

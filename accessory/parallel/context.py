@@ -124,6 +124,12 @@ class ParallelContext:
         """Every rank's x, concatenated along `dim` in rank order."""
         if self.world_size == 1:
             return x
+        if torch.compiler.is_compiling():
+            # Inductor lowers all_reduce itself but calls all_gather through a Python fallback, which its C++
+            # wrapper (the compiled step's on the CPU) cannot emit: sum the slices placed in zeros, the same values.
+            parts = [torch.zeros_like(x)] * self.world_size
+            parts[self.rank] = x
+            return funcol.all_reduce(torch.cat(parts, dim=dim), "sum", self.group)
         gathered = funcol.all_gather_single(x.contiguous(), 0, self.group)  # the ranks' x stacked on dim 0
         return torch.cat(gathered.chunk(self.world_size, dim=0), dim=dim)
 

@@ -350,10 +350,11 @@ def generate_jobs(model, jobs: list[Job], sampling: dict, batch_size: int,
 
 
 def output_row(job: Job, event: Event, max_gen_len: int, max_seq_len: int) -> dict:
-    return {"id": job.id, "output": event.text, "finish_reason": event.finish_reason,
-            "prompt_tokens": job.prompt_tokens, "output_tokens": event.completion_tokens,
-            # the engine keeps a too-long prompt's last tokens (with a warning); say so where the answer is
-            "prompt_truncated": job.prompt_tokens + max_gen_len > max_seq_len}
+    row = {"id": job.id, "output": event.text, "finish_reason": event.finish_reason,
+           "prompt_tokens": job.prompt_tokens, "output_tokens": event.completion_tokens,
+           # the engine keeps a too-long prompt's last tokens (with a warning); say so where the answer is
+           "prompt_truncated": job.prompt_tokens + max_gen_len > max_seq_len}
+    return {**row, "error": event.error} if event.error else row
 
 
 def run_group(model, layout: GroupLayout, jobs: list[Job], options: BatchOptions, sampling: dict,

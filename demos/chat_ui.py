@@ -20,7 +20,7 @@ log = logging.getLogger("accessory.demos")
 MODEL_TEMPLATE = "(the model's own chat template)"  # the template dropdown's first choice: template=None
 # Replies streamed at once, one gradio worker thread each; the service batches them. More wait in gradio's queue.
 CONCURRENT_REPLIES = 32
-FINISHED = {"stop": "Done", "length": "Cut at max_gen_len", "cancelled": "Stopped"}
+FINISHED = {"stop": "Done", "length": "Cut at max_gen_len", "cancelled": "Stopped", "error": "Failed"}
 
 # An OpenAI-style message list: [{"role": "system" | "user" | "assistant", "content": str}, ...]
 Messages = list[dict]
@@ -197,7 +197,8 @@ def status_line(event) -> str:
     if event.finish_reason is None:
         return "Answering..."
     tokens = event.completion_tokens
-    return f"{FINISHED[event.finish_reason]} ({tokens} token{'' if tokens == 1 else 's'})."
+    error = f": {event.error}" if event.error else ""
+    return f"{FINISHED[event.finish_reason]} ({tokens} token{'' if tokens == 1 else 's'}){error}."
 
 
 def parse_seed(text: str):

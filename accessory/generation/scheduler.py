@@ -16,11 +16,11 @@ from typing import Any, Collection, Optional, Sequence
 
 import torch
 
-from accessory.generation.sampling import SamplingParams, greedy, sample
+from accessory.generation.sampling import SamplingError, SamplingParams, greedy, sample
 from accessory.generation.text import RowText
 
 log = logging.getLogger(__name__)
-FINISH_REASONS = ("stop", "length", "cancelled")
+FINISH_REASONS = ("stop", "length", "cancelled", "error")  # "error": this request failed; the others go on
 TRUNCATE_POLICIES = ("left", "error")
 
 
@@ -34,6 +34,7 @@ class Event:
     end_of_content: bool = False
     finish_reason: Optional[str] = None  # None until the request ends, then one of FINISH_REASONS
     completion_tokens: int = 0
+    error: Optional[str] = None  # what went wrong, when finish_reason is "error"
 
     def __getitem__(self, key: str):
         return getattr(self, key)
@@ -55,8 +56,13 @@ class Plan:
         return bool(self.admit) or self.keep != tuple(range(len(self.keep)))
 
 
+SEED_RANGE = (-2 ** 63, 2 ** 64)  # what a torch.Generator takes
+
+
 def row_seeds(seed: int, n: int) -> list[int]:
     """A seed per row from one call's seed: row i's draws do not depend on how many rows run beside it."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+        raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
     return torch.randint(0, 2 ** 62, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
@@ -176,31 +182,52 @@ class Scheduler:
             request.seen[torch.tensor(request.tokens, device=self.device)] = True
 
     def _sample(self, logits: torch.Tensor, events: list) -> None:
-        chosen = self._choose(logits)
-        for request, token in zip(self.active, chosen):
+        for request, token in zip(self.active, self._choose(logits)):
             if request.finish_reason is not None:
                 continue  # cancelled during the step
-            if token in self.stop_ids:
-                self._finish(request, "stop", events)
-                continue
-            request.text.push(token)
-            if request.seen is not None:
-                request.seen[token] = True
-            if request.text.stopped:
-                self._finish(request, "stop", events)
-            elif len(request.generated) >= request.params.max_gen_len:
-                self._finish(request, "length", events)
-            else:
-                self._emit(request, events)
+            try:
+                if isinstance(token, Exception):
+                    raise token
+                self._advance(request, token, events)
+            except Exception as error:  # this request ends; the batch, the others and the server go on
+                self._fail(request, error, events)
 
-    def _choose(self, logits: torch.Tensor) -> list[int]:
-        """Each row's token: plain greedy rows in one argmax, the others with their own parameters and generator."""
-        chosen = greedy(logits).tolist()
+    def _advance(self, request: Request, token: int, events: list) -> None:
+        if token in self.stop_ids:
+            self._finish(request, "stop", events)
+            return
+        request.text.push(token)
+        if request.seen is not None:
+            request.seen[token] = True
+        if request.text.stopped:
+            self._finish(request, "stop", events)
+        elif len(request.generated) >= request.params.max_gen_len:
+            self._finish(request, "length", events)
+        else:
+            self._emit(request, events)
+
+    def _choose(self, logits: torch.Tensor) -> list:
+        """Each row's token, or the SamplingError that ends it: plain greedy rows all at once, the others with their
+        own parameters and generator."""
+        tokens, broken = greedy(logits)
+        chosen, broken = tokens.tolist(), broken.tolist()
         for row, request in enumerate(self.active):
-            if not request.params.greedy or request.seen is not None:
-                seen = request.seen[None] if request.seen is not None else None
-                chosen[row] = int(sample(logits[row:row + 1], request.params, request.generator, seen))
+            try:
+                if not request.params.greedy or request.seen is not None:
+                    seen = request.seen[None] if request.seen is not None else None
+                    chosen[row] = int(sample(logits[row:row + 1], request.params, request.generator, seen))
+                elif broken[row]:
+                    raise SamplingError("the logits hold NaN")
+            except SamplingError as error:
+                chosen[row] = error
         return chosen
+
+    def _fail(self, request: Request, error: Exception, events: list) -> None:
+        """End `request` with finish_reason "error", keeping the text its caller was already sent."""
+        message = f"{type(error).__name__}: {error}"
+        log.error("request %s failed after %d token(s): %s", request.id, len(request.generated), message)
+        request.finish_reason = "error"
+        events.append(Event(request.id, request.shown, "", True, "error", len(request.generated), message))
 
     def _finish(self, request: Request, reason: str, events: list) -> None:
         request.finish_reason = reason

@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="requests that may wait for a free row; past it, 429")
     http.add_argument("--shutdown-grace", type=_non_negative_float, default=30.0,
                       help="on SIGTERM, seconds to let running requests finish before cancelling them")
+    http.add_argument("--max-request-bytes", type=_byte_size, default=DEFAULT_MAX_REQUEST_BYTES,
+                      help="largest request body accepted, e.g. 8MB; past it, 413 (default: 8MB)")
+    http.add_argument("--allow-special-tokens-in-prompt", action="store_true",
+                      help="read special tokens' text in a completion's prompt as those tokens (in chat messages "
+                      "it is always plain text)")
     serve.set_defaults(handler=run_serve, max_seq_len=2048, max_batch_size=16)
 
     _add_convert_verb(verbs)
@@ -93,10 +98,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 def add_sampling_args(parser: argparse.ArgumentParser):
     sampling = parser.add_argument_group("generation")
     sampling.add_argument("--max_gen_len", type=positive_int, default=512)
-    sampling.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
+    sampling.add_argument("--temperature", type=_non_negative_float, default=0.0,
+                          help="0 (or below 1e-5) = greedy")
     sampling.add_argument("--top_p", type=_probability, default=0.95)
     sampling.add_argument("--top_k", type=_non_negative_int, default=0, help="0 = no top-k cut")
-    sampling.add_argument("--repetition_penalty", type=_positive_float, default=1.0, help="1 = off")
+    sampling.add_argument("--repetition_penalty", type=_penalty, default=1.0, help="1 = off; 0.01 to 100")
     sampling.add_argument("--seed", type=int, help="makes sampling reproducible")
     return sampling
 
@@ -179,10 +185,12 @@ def run_serve(args) -> None:
     model = load_model(args)
     name = args.model_name or (os.path.basename(os.path.normpath(args.pretrained_path[-1])) if args.pretrained_path
                                else DEFAULT_MODEL_NAME)
-    serve(model, args.host, args.port, name, args.api_key, args.template, args.max_queue, args.shutdown_grace)
+    serve(model, args.host, args.port, name, args.api_key, args.template, args.max_queue, args.shutdown_grace,
+          max_request_bytes=args.max_request_bytes, special_tokens_in_prompt=args.allow_special_tokens_in_prompt)
 
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MAX_REQUEST_BYTES = 8_000_000
 
 
 def _read_line(prompt: str):
@@ -450,6 +458,12 @@ def _checked(convert, ok, expected: str):
 
 positive_int = _checked(int, lambda n: n > 0, "a positive integer")
 _non_negative_int = _checked(int, lambda n: n >= 0, ">= 0")
-_positive_float = _checked(float, lambda x: x > 0, "> 0")
-_non_negative_float = _checked(float, lambda x: x >= 0, ">= 0")
+_non_negative_float = _checked(float, lambda x: 0 <= x < float("inf"), "a finite number >= 0")
 _probability = _checked(float, lambda x: 0 < x <= 1, "in (0, 1]")
+
+
+def _penalty(text: str) -> float:
+    from accessory.generation.sampling import REPETITION_PENALTY_RANGE
+
+    low, high = REPETITION_PENALTY_RANGE
+    return _checked(float, lambda x: low <= x <= high, f"in [{low}, {high}]")(text)

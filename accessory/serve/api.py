@@ -16,19 +16,23 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from accessory.generation.sampling import REPETITION_PENALTY_RANGE
 from accessory.generation.scheduler import Event
 from accessory.serve.engine import GenerationService, Handle, QueueFull, ServiceClosed
 
 DISCONNECT_POLL_S = 1.0  # how often a request with no new text checks whether its client is still there
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", headers: Optional[dict] = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers
 
 
 class StreamOptions(BaseModel):
@@ -44,7 +48,7 @@ class SamplingFields(BaseModel):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)  # extensions, as in vLLM
-    repetition_penalty: float = Field(1.0, gt=0)
+    repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     stop: Union[None, str, list[str]] = None
     seed: Optional[int] = None
     n: int = Field(1, ge=1)
@@ -75,10 +79,14 @@ class ChatRequest(SamplingFields):
 
 
 def create_app(service: GenerationService, model_name: str, api_key: Optional[str] = None,
-               template: Optional[str] = None) -> FastAPI:
+               template: Optional[str] = None, max_request_bytes: int = 8_000_000,
+               special_tokens_in_prompt: bool = False) -> FastAPI:
     """The app for `service`. `template`: a LLaMA2-Accessory conversation template for chat (default: the
-    model's own chat template)."""
+    model's own chat template). A body over `max_request_bytes` is refused with 413 before it is read whole.
+    Special tokens' text in messages is always plain text; in a completion's prompt too, unless
+    `special_tokens_in_prompt`."""
     app = FastAPI(title="accessory", docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, limit=max_request_bytes)
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
@@ -101,7 +109,8 @@ def create_app(service: GenerationService, model_name: str, api_key: Optional[st
 
     @app.exception_handler(HTTPException)
     async def on_http_error(request, error: HTTPException):
-        return error_response(APIError(error.status_code, str(error.detail)))
+        code = "request_too_large" if error.status_code == 413 else None
+        return error_response(APIError(error.status_code, str(error.detail), code=code))
 
     @app.get("/health")
     async def health():
@@ -128,24 +137,31 @@ def create_app(service: GenerationService, model_name: str, api_key: Optional[st
                 raise APIError(400, f"prompt: one prompt per request is supported, got {len(prompt)}",
                                param="prompt")
             prompt = prompt[0]
-        handle = submit(lambda loop: service.submit(prompt, sampling(body, body.max_tokens), stops(body), loop))
+        check_text(prompt, "prompt")
+        handle = await submit(lambda loop: service.submit(prompt, sampling(body, body.max_tokens), stops(body),
+                                                          loop, special=special_tokens_in_prompt))
         return await respond(COMPLETION, body, handle, request, model_name)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         check_common(body, model_name)
         messages = [m.model_dump() for m in body.messages]
+        for i, message in enumerate(messages):
+            check_text(message["content"], f"messages.{i}.content")
         limit = body.max_completion_tokens or body.max_tokens
-        handle = submit(lambda loop: service.submit_chat(messages, sampling(body, limit), template, stops(body),
-                                                         loop))
+        handle = await submit(lambda loop: service.submit_chat(messages, sampling(body, limit), template,
+                                                               stops(body), loop))
         return await respond(CHAT, body, handle, request, model_name)
 
-    def submit(make) -> Handle:
-        """`make(loop)` queues the request; the service's refusals become API errors."""
+    async def submit(make) -> Handle:
+        """`make(loop)` queues the request, in a worker thread (templates and tokenizing take time: the event loop
+        keeps answering meanwhile); the service's refusals become API errors."""
+        loop = asyncio.get_running_loop()
         try:
-            return make(asyncio.get_running_loop())
+            return await run_in_threadpool(make, loop)
         except QueueFull as e:
-            raise APIError(429, str(e), code="rate_limit_exceeded", kind="rate_limit_error")
+            raise APIError(429, str(e), code="rate_limit_exceeded", kind="rate_limit_error",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
         except ServiceClosed as e:
             raise APIError(503, str(e), kind="server_error")
         except ValueError as e:
@@ -155,8 +171,17 @@ def create_app(service: GenerationService, model_name: str, api_key: Optional[st
 
 
 def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse({"error": {"message": error.message, "type": error.kind, "param": error.param,
-                                   "code": error.code}}, status_code=error.status)
+    return JSONResponse(error_body(error), status_code=error.status, headers=error.headers)
+
+
+def error_body(error: APIError) -> dict:
+    return {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.code}}
+
+
+def generation_failed(final: Event) -> APIError:
+    """A request that ended with finish_reason "error" (the others, and the server, went on)."""
+    return APIError(500, f"generation failed after {final.completion_tokens} token(s): {final.error}",
+                    kind="server_error")
 
 
 def model_card(name: str) -> dict:
@@ -181,13 +206,52 @@ def check_common(body: SamplingFields, served: str) -> None:
 
 
 def stops(body: SamplingFields) -> list[str]:
-    return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    found = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    for i, stop in enumerate(found):
+        check_text(stop, "stop" if isinstance(body.stop, str) else f"stop.{i}")
+    return found
+
+
+def check_text(text: str, field: str) -> None:
+    """Text must be encodable as UTF-8 (JSON lets a lone surrogate such as "\\ud800" through)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{field}: not valid Unicode text ({e.reason} at character {e.start})", param=field)
 
 def sampling(body: SamplingFields, max_tokens: Optional[int]) -> dict:
     """The service's sampling dict; without max_tokens the reply may fill the rest of the window."""
     chosen = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
               "repetition_penalty": body.repetition_penalty, "seed": body.seed}
     return chosen if max_tokens is None else {**chosen, "max_gen_len": max_tokens}
+
+
+class BodyLimit:
+    """Refuse request bodies over `limit` bytes with 413: by their Content-Length before reading, or, for a body
+    sent without one, as soon as the bytes read pass the limit."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        message = f"the request body is over {self.limit} bytes (the server's --max-request-bytes)"
+        if not declared.isdigit() or int(declared) > self.limit:
+            response = error_response(APIError(413, message, code="request_too_large"))
+            return await response(scope, receive, send)
+        read = 0
+
+        async def limited_receive():
+            nonlocal read
+            received = await receive()
+            read += len(received.get("body", b""))
+            if read > self.limit:  # FastAPI passes an HTTPException from reading the body on to the handlers
+                raise HTTPException(413, message)
+            return received
+
+        await self.app(scope, limited_receive, send)
 
 
 # ---- responses ---------------------------------------------------------------------------------------------------
@@ -229,6 +293,8 @@ async def respond(shape: Shape, body: SamplingFields, handle: Handle, request: R
         handle.cancel()  # a no-op once finished; frees the row if the client left or the task was cancelled
     if final is None:
         return JSONResponse({}, status_code=499)  # the client is gone; nobody reads this
+    if final.finish_reason == "error":
+        return error_response(generation_failed(final))
     return {**head, "object": shape.object, "choices": [shape.choice(final.text, final.finish_reason)],
             "usage": usage(handle, final)}
 
@@ -243,10 +309,14 @@ async def stream(shape: Shape, head: dict, handle: Handle, request: Request, inc
             if event.delta or first:
                 yield sse([shape.chunk_choice(event.delta, None, first)])
                 first = False
-            if event.end_of_content:
+            if event.finish_reason == "error":  # as OpenAI streams an error: an error object, then the end
+                error = generation_failed(event)
+                yield f"data: {json.dumps(error_body(error))}\n\n"
+            elif event.end_of_content:
                 yield sse([shape.chunk_choice("", event.finish_reason, False)])
                 if include_usage:
                     yield sse([], usage=usage(handle, event))
+            if event.end_of_content:
                 yield "data: [DONE]\n\n"
     finally:
         handle.cancel()  # the client disconnected (or the stream ended: then a no-op)

@@ -90,11 +90,15 @@ class GenerationService:
     # ---- the source rank, any thread ---------------------------------------------------------------------------
 
     def submit(self, prompt: str, sampling: Optional[dict] = None, stop: Sequence[str] = (),
-               loop: Optional[asyncio.AbstractEventLoop] = None) -> Handle:
+               loop: Optional[asyncio.AbstractEventLoop] = None, special: bool = True) -> Handle:
         """Queue a completion of `prompt`. `sampling`: SAMPLING_KEYS and "seed" (None: random); max_gen_len
-        defaults to the rest of the window. Raises ValueError for bad parameters or a prompt that does not fit,
-        QueueFull, or ServiceClosed."""
-        tokens = self.model.tokenizer.encode(prompt, bos=True, eos=False)
+        defaults to the rest of the window. `special=False`: special tokens' text in the prompt is plain text.
+        Raises ValueError for bad parameters or a prompt that does not fit, QueueFull, or ServiceClosed."""
+        per_token = self.model.tokenizer.max_token_chars
+        if len(prompt) > self.columns * per_token:  # surely too long: say so without tokenizing it
+            raise ValueError(f"the prompt has {len(prompt)} characters, more than {self.columns} tokens can hold "
+                             f"(one holds at most {per_token}): this model's max_seq_len is {self.columns}")
+        tokens = self.model.tokenizer.encode(prompt, bos=True, eos=False, special=special)
         return self.submit_tokens(tokens, sampling, stop, loop)
 
     def submit_chat(self, messages: list[dict], sampling: Optional[dict] = None, template: Optional[str] = None,
@@ -113,8 +117,8 @@ class GenerationService:
         unknown = set(sampling) - set(SAMPLING_KEYS)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s) {sorted(unknown)}; known: {SAMPLING_KEYS} and seed")
-        if seed is not None and not isinstance(seed, int):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
+        # a seed per request; checked here, before anything is registered
+        row_seed = row_seeds(secrets.randbits(62) if seed is None else seed, 1)[0]
         if not tokens:
             raise ValueError("the prompt is empty")
         if len(tokens) >= self.columns:
@@ -131,7 +135,6 @@ class GenerationService:
                 raise QueueFull(f"{self.max_queue} requests are already waiting; try again later")
             handle = Handle(f"{next(self._ids)}-{secrets.token_hex(6)}", len(tokens), self.scheduler.cancel, loop)
             self._handles[handle.id] = handle
-        row_seed = row_seeds(secrets.randbits(62) if seed is None else seed, 1)[0]
         self.scheduler.add(Request(handle.id, tokens, params, row_seed, [s for s in stop if s]))
         return handle
 

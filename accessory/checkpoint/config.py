@@ -93,6 +93,7 @@ def read_spec(folders: Sequence[Path], llama_type: Optional[str] = None,
     for path in config_files:
         values = read_json_object(path, ConfigError)
         model_args.check_keys(values, str(path))
+        model_args.check_values(values, str(path))
         config.update(values)
     log.info("llama_type %s, config from %s", llama_type, [str(p) for p in config_files])
     return CheckpointSpec(list(folders), llama_type, config, quantization)

@@ -19,6 +19,7 @@ from accessory.generation.engine import Engine, EngineSettings
 from accessory.generation.sampling import SamplingParams
 from accessory.generation.scheduler import Event, Request, fit_prompt, row_seeds
 from accessory.model.LLM import model_classes
+from accessory.model.memory import check_fits
 from accessory.model.tokenizer import Tokenizer, find_tokenizer
 from accessory.parallel import ParallelContext, init_distributed
 from accessory.kernels import cpu_kernels
@@ -87,6 +88,7 @@ class MetaModel(nn.Module):
         formats = quantized_formats(llma, spec, quant, folders[-1])
         if formats:
             llma.quantize_(formats)
+        check_fits(llma, dtype, device, f"config of {folders[-1]}")  # before any memory is allocated
         if device.type == "cpu":
             cpu_kernels()  # built once per machine (seconds), before anything is compiled
         llma.materialize(device, dtype)

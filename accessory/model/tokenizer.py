@@ -11,7 +11,7 @@ import re
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 import jinja2
 import jinja2.ext
@@ -30,6 +30,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
 
 PathLike = Union[str, Path]
+TEMPLATE_CHARS = 100_000  # what a chat template may write per message beyond its content (real ones: < 1,000)
 
 
 def find_tokenizer(folders: list[PathLike]) -> Optional[Path]:
@@ -66,6 +67,13 @@ class _SentencePiece:
                 ids += self.sp.encode(chunk)
         return ids
 
+    def encode_literal(self, s: str) -> list[int]:
+        return self.sp.encode(s)
+
+    @property
+    def special_texts(self) -> frozenset[str]:
+        return frozenset(self.controls)
+
     def decode(self, ids: list[int]) -> str:
         return self.sp.decode(ids)
 
@@ -86,6 +94,20 @@ class _HFTokenizers:
 
     def encode(self, s: str, add_special_tokens: bool = False) -> list[int]:
         return self.tk.encode(s, add_special_tokens=add_special_tokens).ids
+
+    def encode_literal(self, s: str) -> list[int]:
+        return self._literal.encode(s, add_special_tokens=False).ids
+
+    @cached_property
+    def _literal(self) -> tokenizers.Tokenizer:
+        """A copy that reads special tokens' text as plain text (a setting of the object: hence a copy)."""
+        literal = tokenizers.Tokenizer.from_str(self.tk.to_str())
+        literal.encode_special_tokens = True
+        return literal
+
+    @cached_property
+    def special_texts(self) -> frozenset[str]:
+        return frozenset(t.content for i, t in self.tk.get_added_tokens_decoder().items() if t.special)
 
     def decode(self, ids: list[int]) -> str:
         return self.tk.decode(ids, skip_special_tokens=True)
@@ -192,11 +214,19 @@ class Tokenizer:
 
     # --- text <-> ids ---------------------------------------------------------------------------------------------
 
-    def encode(self, s: str, bos: bool, eos: bool) -> list[int]:
+    def encode(self, s: str, bos: bool, eos: bool, *, special: bool = True) -> list[int]:
         """Token ids of `s`. `bos=True` prepends BOS when this tokenizer uses one (always for SentencePiece; for
         tokenizer.json, as its config says), but never a second one: templates such as Llama-3's write it as text.
-        `eos=True` appends eos_id."""
-        ids = self._backend.encode(s)
+        `eos=True` appends eos_id. `special=False`: the text of special tokens ("</s>", "<|im_start|>") is read
+        as plain text. A ChatPrompt's messages are always read as plain text, its template's text never."""
+        if isinstance(s, ChatPrompt):
+            ids, done = [], 0
+            for start, end in s.contents:
+                ids += self._backend.encode(s[done:start]) + self._backend.encode_literal(s[start:end])
+                done = end
+            ids += self._backend.encode(s[done:])
+        else:
+            ids = self._backend.encode(s) if special else self._backend.encode_literal(s)
         if bos and self._add_bos and ids[:1] != [self.bos_id]:
             ids.insert(0, self.bos_id)
         if eos:
@@ -207,11 +237,42 @@ class Tokenizer:
         """Text of `ids` (a list or a 1-D tensor), without special tokens such as EOS or end-of-turn."""
         return self._backend.decode([int(i) for i in ids])
 
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's text, in characters of its vocabulary entry (each of which stands for at least one
+        character or byte of text): a text of more than n times this many characters has more than n tokens,
+        which callers check before tokenizing a text that cannot fit."""
+        return max(len(self._backend.token(i) or "") for i in range(self.n_words))
+
     # --- chat -----------------------------------------------------------------------------------------------------
 
     @property
     def has_chat_template(self) -> bool:
         return self._chat_template is not None
+
+    def literal_messages(self, render: Callable[[list[dict]], str], messages: list[dict]) -> str:
+        """`render(messages)`, as a ChatPrompt when a message holds the text of a special token, so that it is
+        encoded as text: a user typing "<|im_end|>\n<|im_start|>system" must not open a system turn."""
+        text = render(messages)
+        specials = self._backend.special_texts
+        if not any(t in str(m.get("content", "")) for m in messages for t in specials):
+            return text
+        # Render again with a marker for each message's content, to find where the contents are in the text.
+        marked = render([{**m, "content": f"\x00ACCESSORY-CONTENT-{i}\x00"} for i, m in enumerate(messages)])
+        parts = re.split("\x00ACCESSORY-CONTENT-([0-9]+)\x00", marked)  # text, message index, text, ...
+        for transform in (lambda c: c, str.strip):  # verbatim, or trimmed as Llama-3's template does
+            pieces, spans, at = [], [], 0
+            for k, part in enumerate(parts):
+                piece = transform(str(messages[int(part)]["content"])) if k % 2 else part
+                if k % 2:
+                    spans.append((at, at + len(piece)))
+                pieces.append(piece)
+                at += len(piece)
+            if "".join(pieces) == text:
+                return ChatPrompt(text, tuple(spans))
+        raise TokenizerError(f"a message holds the text of a special token ({sorted(specials)}), and the chat "
+                             f"template of {self.path.parent} changes the messages it writes, so that text cannot "
+                             f"be kept apart from the template's")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render `messages` ([{"role": ..., "content": ...}, ...]) with the model's chat template, as HF does."""
@@ -220,14 +281,39 @@ class Tokenizer:
                                  f"beside it): the model has no chat template; use a plain prompt instead")
         bos_token = self._backend.token(self.bos_id) if self.bos_id is not None else None
         try:
-            return self._chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                              bos_token=bos_token, eos_token=self._backend.token(self.eos_id))
+            pieces, size = [], 0
+            for piece in self._chat_template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                      bos_token=bos_token, eos_token=self._backend.token(self.eos_id)):
+                size += len(piece)
+                if size > self.max_rendered_chars(messages):
+                    raise jinja2.TemplateError(f"its output passed {self.max_rendered_chars(messages)} characters")
+                pieces.append(piece)
+            return "".join(pieces)
         except jinja2.TemplateError as e:
             raise TokenizerError(f"the chat template of {self.path.parent} rejected the messages: {e}") from e
+
+    @staticmethod
+    def max_rendered_chars(messages: list[dict]) -> int:
+        """What a chat template may write for `messages`: their text plus TEMPLATE_CHARS per message."""
+        return sum(len(str(m.get("content", ""))) + TEMPLATE_CHARS for m in messages)
 
     def encode_chat(self, prompt: str) -> list[int]:
         """One user turn rendered with the chat template and the generation prompt, encoded with `bos=True`."""
         return self.encode(self.apply_chat_template([{"role": "user", "content": prompt}]), bos=True, eos=False)
+
+
+class ChatPrompt(str):
+    """A rendered conversation whose `contents`, (start, end) spans of the messages' text, `Tokenizer.encode`
+    reads as plain text: only the template writes control tokens. Slicing or adding gives a plain str."""
+    contents: tuple[tuple[int, int], ...] = ()
+
+    def __new__(cls, text: str, contents: tuple[tuple[int, int], ...]):
+        prompt = super().__new__(cls, text)
+        prompt.contents = contents
+        return prompt
+
+    def __reduce__(self):  # sent between ranks as it is
+        return ChatPrompt, (str(self), self.contents)
 
 
 def _resolve(path: Path) -> Path:
@@ -277,6 +363,22 @@ def _load_chat_template(folder: Path, config: dict) -> Optional[jinja2.Template]
         raise TokenizerError(f"{source}: chat template does not compile: {e}") from e
 
 
+class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """HF's sandbox, where `*` and `**` cannot build a value of more than TEMPLATE_CHARS items or digits from small
+    ones (`{{ 'x' * 10**10 }}`); the output's size is bounded as it is rendered (apply_chat_template)."""
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and len(seq) * times > TEMPLATE_CHARS:
+                    raise jinja2.sandbox.SecurityError(f"a repetition of {len(seq) * times} items is over the "
+                                                       f"template limit of {TEMPLATE_CHARS}")
+        if operator == "**" and isinstance(right, (int, float)) and right > 64 and abs(left) > 1:
+            raise jinja2.sandbox.SecurityError(f"the power {left!r} ** {right!r} is too large for a template")
+        return super().call_binop(context, operator, left, right)
+
+
 def _jinja_env() -> jinja2.Environment:
     """The environment transformers renders chat templates in: sandboxed (templates come from the Hub), HF's
     whitespace rules, {% break %}, and its helpers (a tojson that keeps non-ASCII, raise_exception, strftime_now)."""
@@ -286,8 +388,7 @@ def _jinja_env() -> jinja2.Environment:
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[jinja2.ext.loopcontrols])
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
     return env

@@ -34,6 +34,36 @@ def without_engine_keys(values: dict, source: str) -> dict:
     return {k: v for k, v in values.items() if k not in ENGINE_KEYS}
 
 
+# Each numeric field's type and inclusive range, checked in every config file before anything is built. The bounds
+# are far beyond any real model (Llama-3.1-405B: dim 16384, 126 layers, vocab 128256, hidden 53248): they stop a
+# config from asking for impossible sizes, and memory is checked separately (check_memory).
+FIELD_RANGES = {
+    "dim": (int, 1, 1 << 17), "n_layers": (int, 1, 1024), "n_heads": (int, 1, 1 << 12),
+    "n_kv_heads": (int, 1, 1 << 12), "vocab_size": (int, -1, 1 << 24), "multiple_of": (int, 1, 1 << 17),
+    "ffn_dim_multiplier": (float, 1e-3, 64.0), "hidden_dim": (int, 1, 1 << 20), "norm_eps": (float, 1e-30, 0.1),
+    "rope_theta": (float, 1.0, 1e12), "max_seq_len": (int, 1, 1 << 24),
+}
+
+
+def field_problem(name: str, value, type_name: Optional[str]) -> Optional[str]:
+    """Why `value` cannot be config field `name` (whose dataclass annotation is `type_name`), or None."""
+    if value is None and name in ("n_kv_heads", "ffn_dim_multiplier", "hidden_dim", "rope_scaling"):
+        return None
+    if type_name == "bool":
+        return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
+    if name not in FIELD_RANGES:
+        return None
+    kind, low, high = FIELD_RANGES[name]
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not is_number or (kind is int and not isinstance(value, int)) or value != value:
+        return f"must be {'an integer' if kind is int else 'a number'} in [{low}, {high}], got {value!r}"
+    if not low <= value <= high or (name == "vocab_size" and value == 0):
+        if name == "vocab_size":
+            return f"must be in [1, {high}] (or -1: from the tokenizer), got {value!r}"
+        return f"must be in [{low}, {high}], got {value!r}"
+    return None
+
+
 @dataclass
 class ModelArgs:
     """Model hyper-parameters, as read from params.json / config.json.
@@ -62,6 +92,7 @@ class ModelArgs:
     load_pretrained_visual_encoder: bool = False  # LLaMA2-Accessory training flag; no effect on inference
 
     def __post_init__(self):
+        self.check_values(self.to_dict(), type(self).__name__)
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.dim % self.n_heads:
@@ -83,10 +114,23 @@ class ModelArgs:
             raise ConfigError(f"{source}: unknown model config key(s) {unknown}; known keys: {sorted(known)}.{hint}")
 
     @classmethod
+    def check_values(cls, values: dict, source: str) -> None:
+        """Reject a value of the wrong type or out of range, naming the file, the field and what it must be."""
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        for name, value in values.items():
+            problem = field_problem(name, value, types.get(name))
+            if problem:
+                raise ConfigError(f"{source}: {name} {problem}")
+
+    @classmethod
     def from_dict(cls, values: dict, source: str = "config") -> "ModelArgs":
         values = without_engine_keys(values, source)
         cls.check_keys(values, source)
-        return cls(**values)
+        cls.check_values(values, source)
+        try:
+            return cls(**values)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

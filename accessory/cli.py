@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import queue
 import signal
 import sys
+import threading
 
 from accessory.errors import AccessoryError, FailedInStep
 
@@ -89,6 +91,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        "in int4, the embedding in int8); a quantized checkpoint loads in its own format. With the "
                        "built-in model, int4 runs the GGUF file's own Q4_1 bits")
     engine = parser.add_argument_group("engine")
+    engine.add_argument("--rank-timeout", type=_positive_float, default=60.0,
+                        help="seconds after which a rank that stopped answering (frozen, lost) ends every rank, "
+                        "named in the log (exit status 3); under torchrun only")
     engine.add_argument("--max_batch_size", type=positive_int, default=32,
                         help="rows decoded together; more requests wait for a free row")
     engine.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile "
@@ -158,7 +163,7 @@ def run_chat(args) -> None:
     if source:
         print(CHAT_HELP, flush=True)
     while True:
-        line = model.ctx.broadcast_object(_read_line("user> ") if source else None)
+        line = _next_line(model.ctx)
         if line is None or line.strip() == "/exit":
             break
         if line.strip() == "/reset":
@@ -191,6 +196,33 @@ def run_serve(args) -> None:
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_REQUEST_BYTES = 8_000_000
+
+
+KEEPALIVE_S = 30.0  # while the user types, how often the source rank tells the others it is still waiting
+_STILL_WAITING = ("still waiting",)
+
+
+def _next_line(ctx):
+    """The user's next line (None to end) on every rank. The other ranks wait for it in a collective, which would
+    time out if the user took long: the source rank reads the terminal in a thread and sends a keep-alive
+    meanwhile."""
+    if not ctx.is_source:
+        while True:
+            line = ctx.broadcast_object(None)
+            if line != _STILL_WAITING:
+                return line
+    typed = queue.Queue()
+    threading.Thread(target=lambda: typed.put(_read_line("user> ")), daemon=True).start()
+    while True:
+        try:
+            line = typed.get(timeout=KEEPALIVE_S)
+        except queue.Empty:
+            ctx.broadcast_object(_STILL_WAITING)
+            continue
+        except KeyboardInterrupt:  # Ctrl-C while the user types: the end, for every rank
+            print(flush=True)
+            line = None
+        return ctx.broadcast_object(line)
 
 
 def _read_line(prompt: str):
@@ -411,6 +443,10 @@ def run(handler, args) -> None:
 
     init_distributed()
     _setup_logging()
+    if getattr(args, "rank_timeout", None) is not None:
+        from accessory.parallel.watchdog import start_watchdog
+
+        start_watchdog(args.rank_timeout)
     try:
         handler(args)
     except FailedInStep as e:  # the other ranks ended normally: the closing barrier is safe
@@ -459,6 +495,7 @@ def _checked(convert, ok, expected: str):
 positive_int = _checked(int, lambda n: n > 0, "a positive integer")
 _non_negative_int = _checked(int, lambda n: n >= 0, ">= 0")
 _non_negative_float = _checked(float, lambda x: 0 <= x < float("inf"), "a finite number >= 0")
+_positive_float = _checked(float, lambda x: 0 < x < float("inf"), "a finite number > 0")
 _probability = _checked(float, lambda x: 0 < x <= 1, "in (0, 1]")
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from accessory.errors import ConfigError
+from accessory.parallel.watchdog import stop_watchdog
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ def shutdown_distributed() -> None:
     """Leave the process group cleanly: a barrier first, because gloo may abort at exit without one."""
     if dist.is_initialized():
         dist.barrier()
+        stop_watchdog()  # after the barrier: every rank is here, none may go silent while another still waits
         dist.destroy_process_group()
 
 

@@ -114,8 +114,8 @@ def create_app(service: GenerationService, model_name: str, api_key: Optional[st
 
     @app.get("/health")
     async def health():
-        return {"status": "ok" if service.accepting else "shutting_down", "running": service.running,
-                "waiting": service.waiting}
+        healthy, report = service.health()
+        return report if healthy else JSONResponse(report, status_code=503)
 
     @app.get("/v1/models")
     async def models():

@@ -21,9 +21,11 @@ from typing import Callable, Optional, Sequence
 from accessory.generation.chat import render_chat
 from accessory.generation.sampling import SamplingParams
 from accessory.generation.scheduler import Event, Request, row_seeds
+from accessory.parallel.watchdog import active_watchdog
 
 log = logging.getLogger(__name__)
 SAMPLING_KEYS = ("max_gen_len", "temperature", "top_p", "top_k", "repetition_penalty")
+STALL_S = 3.0  # a rank silent this long makes /health say 503 (it ends every rank at --rank-timeout)
 
 
 class QueueFull(Exception):
@@ -86,6 +88,10 @@ class GenerationService:
         self._ids = itertools.count()
         self.accepting = True
         self.shutdown_hooks: list[Callable[[], None]] = []  # called once when shutdown begins (stop listening)
+        self.failed: Optional[str] = None  # why every request ended, when a rank was lost
+        self.watchdog = active_watchdog()
+        if self.watchdog is not None and self.ctx.is_source:
+            self.watchdog.failure_hooks.append(self._fail_all)
 
     # ---- the source rank, any thread ---------------------------------------------------------------------------
 
@@ -158,6 +164,26 @@ class GenerationService:
         for request_id in ids:
             self.scheduler.cancel(request_id)
 
+    def _fail_all(self, reason: str) -> None:
+        """A rank is lost and every rank is about to exit: end each open request with an error event."""
+        with self._lock:
+            self.failed, self.accepting = reason, False
+            handles, self._handles = list(self._handles.values()), {}
+        for handle in handles:
+            handle.deliver(Event(handle.id, "", "", True, "error", 0, reason))
+
+    def health(self) -> tuple[bool, dict]:
+        """(healthy, what /health says): not while a rank is silent for STALL_S or has been lost."""
+        report = {"status": "ok" if self.accepting else "shutting_down", "running": self.running,
+                  "waiting": self.waiting}
+        if self.failed:
+            return False, {**report, "status": "failed", "error": self.failed}
+        silent = self.watchdog.silent_ranks(STALL_S) if self.watchdog is not None else {}
+        if silent:
+            return False, {**report, "status": "stalled",
+                           "silent_ranks": {str(r): round(s, 1) for r, s in sorted(silent.items())}}
+        return True, report
+
     @property
     def waiting(self) -> int:
         """Requests not yet in the batch."""
@@ -172,9 +198,13 @@ class GenerationService:
 
     def run(self) -> None:
         """Drive the batch until shutdown; on the source rank, deliver each step's events to their handles."""
-        for events in self.engine.run(self.scheduler, self.rows, self.columns):
-            for event in events:
-                self._deliver(event)
+        try:
+            for events in self.engine.run(self.scheduler, self.rows, self.columns):
+                for event in events:
+                    self._deliver(event)
+        except BaseException as e:  # a rank failed or left: the open requests end with an error, not a cut stream
+            self._fail_all(f"the model-parallel group failed: {type(e).__name__}: {e}")
+            raise
         log.info("generation service stopped")
 
     def _deliver(self, event: Event) -> None:

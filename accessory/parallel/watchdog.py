@@ -1,0 +1,120 @@
+"""Liveness across ranks: a rank that stops answering (frozen, swapped out, its machine lost) ends the job within
+`--rank-timeout` seconds, with its rank named, instead of leaving the others waiting in a collective until the
+process group's own timeout.
+
+Every rank runs a `Watchdog` thread beside its main loop. Each beat it adds one to its counter in the process group's
+store and reads the others'; a rank whose counter has not moved for `timeout_s` is lost. The thread beats whatever the
+main loop does (a collective that waits, a long step, an idle server), so only a rank that cannot run at all goes
+silent. Counters, not clocks: machines' clocks need not agree.
+
+On a lost rank the watchdog logs which one, runs the failure hooks (the server tells its open streams), kills the
+lost rank if it runs on this machine (a stopped process cannot act on the SIGTERM torchrun would send), and exits
+with status EXIT_RANK_LOST: its main thread may be blocked in a collective that would never return.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+EXIT_RANK_LOST = 3
+FLUSH_S = 1.5  # after the failure hooks, time for the server to send what they wrote
+_active: Optional["Watchdog"] = None
+
+
+class Watchdog:
+    def __init__(self, store, rank: int, world_size: int, timeout_s: float):
+        self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
+        self.interval_s = min(1.0, timeout_s / 10)
+        self.failure_hooks: list[Callable[[str], None]] = []  # called with the message before exiting
+        self._silent_since = {r: time.monotonic() for r in range(world_size) if r != rank}
+        self._counts = {r: -1 for r in self._silent_since}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="accessory-watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        self.store.set(_key("where", self.rank), f"{socket.gethostname()} {os.getpid()}")
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def silent_ranks(self, after_s: float) -> dict[int, float]:
+        """Ranks whose heartbeat has not moved for more than `after_s` seconds, with how long."""
+        now = time.monotonic()
+        return {r: now - t for r, t in self._silent_since.items() if now - t > after_s}
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.store.add(_key("beat", self.rank), 1)
+                for r in self._silent_since:
+                    count = self.store.add(_key("beat", r), 0)  # reads without waiting for the key
+                    if count != self._counts[r]:
+                        self._counts[r], self._silent_since[r] = count, time.monotonic()
+            except Exception as e:  # the store's host is gone: the job is over, torchrun ends the rest
+                log.error("the process group's store stopped answering (%s); ending this rank", e)
+                self._fail(f"the process group's store stopped answering ({e})", None)
+            lost = self.silent_ranks(self.timeout_s)
+            if lost:
+                rank = max(lost, key=lost.get)
+                self._fail(f"rank {rank} has not answered for {lost[rank]:.0f} s (--rank-timeout "
+                           f"{self.timeout_s:g}): it is frozen or lost; ending every rank", rank)
+
+    def _fail(self, message: str, lost_rank: Optional[int]) -> None:
+        log.error("%s", message)
+        for hook in self.failure_hooks:
+            try:
+                hook(message)
+            except Exception:
+                log.exception("a failure hook raised")
+        if self.failure_hooks:
+            time.sleep(FLUSH_S)
+        if lost_rank is not None:
+            self._kill_if_here(lost_rank)
+        os._exit(EXIT_RANK_LOST)
+
+    def _kill_if_here(self, rank: int) -> None:
+        try:
+            if not self.store.check([_key("where", rank)]):
+                return
+            host, pid = self.store.get(_key("where", rank)).decode().split()
+            if host == socket.gethostname():
+                os.kill(int(pid), signal.SIGKILL)
+                log.error("killed rank %d (pid %s): a frozen process cannot end itself", rank, pid)
+        except Exception as e:
+            log.warning("could not end rank %d: %s", rank, e)
+
+
+def _key(kind: str, rank: int) -> str:
+    return f"accessory/watchdog/{kind}/{rank}"
+
+
+def start_watchdog(timeout_s: float) -> Optional[Watchdog]:
+    """Start this rank's watchdog over the default process group (once); None for a single process."""
+    global _active
+    if _active is None and dist.is_initialized() and dist.get_world_size() > 1:
+        store = dist.distributed_c10d._get_default_store()
+        _active = Watchdog(store, dist.get_rank(), dist.get_world_size(), timeout_s).start()
+    return _active
+
+
+def active_watchdog() -> Optional[Watchdog]:
+    return _active
+
+
+def stop_watchdog() -> None:
+    global _active
+    if _active is not None:
+        _active.stop()
+        _active = None

@@ -24,14 +24,14 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 class Server:
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, *extra_args: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp_path / "serve.log"
         self.log = open(self.log_path, "w")
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", "--rdzv-backend=c10d",
                    f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "accessory", "serve", "--port", str(self.port),
-                   "--api-key", KEY, "--max_seq_len", "512", "--max_batch_size", "8", "--shutdown-grace", "60"]
+                   "--api-key", KEY, "--max_seq_len", "512", "--max_batch_size", "8", "--shutdown-grace", "60", *extra_args]
         self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env=dict(os.environ, OMP_NUM_THREADS="1"))
 
@@ -60,6 +60,9 @@ class Server:
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
         return [int(pid) for pid in out.split()]
 
+    def worker_of_rank(self, rank: int) -> int:
+        return next(pid for pid in self.workers() if rank_of(pid) == rank)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             for pid in self.workers():  # torchrun starts each worker in a session of its own
@@ -67,6 +70,12 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self.log.close()
+
+
+def rank_of(pid: int) -> int:
+    """The RANK torchrun gave a worker process."""
+    environ = dict(item.split("=", 1) for item in open(f"/proc/{pid}/environ").read().split("\0") if "=" in item)
+    return int(environ["RANK"])
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,107 @@
+"""A rank that stops answering is found: SIGSTOP of a non-source rank during a stream (the server) and during
+`generate` ends every process within --rank-timeout + 10 s, names the rank, and the client gets an error event; an
+idle server with a short timeout keeps serving."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+from distributed import free_port
+from test_serve import KEY, MODEL, QUESTION, Server, rank_of
+
+TIMEOUT_S = 6
+
+
+def gone_within(proc: subprocess.Popen, pids: list[int], seconds: float) -> bool:
+    """Whether torchrun and every worker have exited within `seconds`."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if proc.poll() is not None and not any(os.path.exists(f"/proc/{pid}") and not _zombie(pid) for pid in pids):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return False
+
+
+def test_an_idle_server_keeps_serving_and_a_frozen_rank_ends_every_rank_with_an_error_event(tmp_path,
+                                                                                        smollm2_checkpoint):
+    server = Server(tmp_path, "--rank-timeout", str(TIMEOUT_S))
+    try:
+        server.wait_ready()
+        time.sleep(TIMEOUT_S * 2)  # idle for twice the timeout: nothing trips
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        assert "Paris" in server.client().chat.completions.create(model=MODEL, messages=QUESTION, temperature=0,
+                                                                   max_tokens=16).choices[0].message.content
+        workers = server.workers()
+        events, first = [], threading.Event()
+
+        def read_stream():
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story."}],
+                    "max_tokens": 450, "temperature": 0, "stream": True}
+            with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=120,
+                              headers={"Authorization": f"Bearer {KEY}"}) as answer:
+                for line in answer.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        first.set()
+
+        reader = threading.Thread(target=read_stream, daemon=True)
+        reader.start()
+        assert first.wait(60)
+        frozen = server.worker_of_rank(1)
+        os.kill(frozen, signal.SIGSTOP)
+        stopped_at = time.time()
+        health = None
+        while time.time() < stopped_at + TIMEOUT_S:
+            health = httpx.get(f"{server.url}/health", timeout=5)
+            if health.status_code == 503:
+                break
+            time.sleep(0.3)
+        assert health.status_code == 503 and health.json()["status"] == "stalled", health.text
+        assert "1" in health.json()["silent_ranks"]
+        assert gone_within(server.proc, workers, TIMEOUT_S + 10), server.read_log()[-3000:]
+        reader.join(timeout=10)
+        assert events[-1] == "[DONE]" and "rank 1 has not answered" in json.loads(events[-2])["error"]["message"]
+        assert server.proc.returncode != 0
+        assert "rank 1 has not answered" in server.read_log()
+    finally:
+        server.stop()
+
+
+def test_a_frozen_rank_during_generate_ends_every_rank_naming_it(tmp_path, smollm2_checkpoint):
+    log_path = tmp_path / "generate.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", "--rdzv-backend=c10d",
+             f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "accessory", "generate", "--prompt", "Tell a story.",
+             "--max_gen_len", "2000", "--max_seq_len", "2048", "--rank-timeout", str(TIMEOUT_S)],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        deadline = time.time() + 120
+        while "loaded" not in log_path.read_text() and time.time() < deadline:
+            assert proc.poll() is None, log_path.read_text()
+            time.sleep(0.5)
+        time.sleep(2)  # decoding
+        workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                  text=True).stdout.split()]
+        frozen = next(pid for pid in workers if rank_of(pid) == 2)
+        os.kill(frozen, signal.SIGSTOP)
+        assert gone_within(proc, workers, TIMEOUT_S + 10), log_path.read_text()[-3000:]
+        assert proc.returncode != 0 and "rank 2 has not answered" in log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -11,9 +11,12 @@ quantized and how (checkpoint/config.py `Quantization`).
 """
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import shutil
+import socket
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +31,8 @@ from accessory.errors import CheckpointError
 from accessory.model.LLM import model_classes
 from accessory.parallel import ParallelContext, global_shape, shard_of
 from accessory.quant.weight import QuantizedWeight
+
+log = logging.getLogger(__name__)
 
 
 def save_checkpoint(dst: Path, state_dict: dict[str, torch.Tensor], config: dict, shards: int,
@@ -56,24 +61,67 @@ def atomic_folder(dst: Path) -> Iterator[Path]:
     """A temporary folder beside `dst` to write into; renamed to `dst` when the block ends, removed if it raises.
 
     `dst` must not exist: it is refused before anything is written, and if it appears meanwhile it is left alone.
-    """
+    A temporary folder that a killed run left for the same `dst` is removed first (logged). A full disk is a
+    CheckpointError naming `dst` and the space (write_shard checks before each shard)."""
     dst = Path(dst)
     if dst.exists():
         raise CheckpointError(f"{dst} already exists; choose a new output folder (inputs are never overwritten)")
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    _remove_abandoned(dst)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}{PARTIAL}", dir=dst.parent))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the checkpoint should read like any new folder
+    (tmp / WRITER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
     try:
         yield tmp
+        (tmp / WRITER).unlink()
         try:
             os.rename(tmp, dst)
         except OSError as e:
             raise CheckpointError(f"{dst} appeared while it was being written; left it as it is") from e
-    except BaseException:
+    except BaseException as e:
+        full = _disk_full(e, dst.parent)
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, NoSpace):
+            raise NoSpace(f"writing {dst}: {e}") from None
+        if full:
+            raise CheckpointError(f"writing {dst}: the disk is full ({_size(shutil.disk_usage(dst.parent).free)} free "
+                                  f"once the partial output was removed): {type(e).__name__}: {e}") from e
         raise
+
+
+class NoSpace(CheckpointError):
+    """The disk cannot hold what is being written."""
+
+
+PARTIAL = ".partial-"  # a folder being written is .DST.partial-XXXX beside DST
+WRITER = ".accessory-writer"  # in it: the host and pid writing it
+
+
+def _remove_abandoned(dst: Path) -> None:
+    """Remove the temporary folders of earlier runs for `dst` whose writer (on this machine) is gone."""
+    for folder in dst.parent.glob(f".{dst.name}{PARTIAL}*"):
+        try:
+            host, pid = (folder / WRITER).read_text().split()
+        except (OSError, ValueError):
+            continue  # not ours to judge: no writer recorded
+        if host == socket.gethostname() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            log.warning("removed %s, left by an interrupted run (pid %s)", folder, pid)
+
+
+def _disk_full(error: BaseException, folder: Path) -> bool:
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return True
+    try:  # torch.save reports a short write as a RuntimeError ("unexpected pos ...")
+        return isinstance(error, (OSError, RuntimeError)) and shutil.disk_usage(folder).free < (1 << 20)
+    except OSError:
+        return False
+
+
+def _size(n: int) -> str:
+    return f"{n / 2 ** 20:.1f} MiB ({n} bytes)"
 
 
 def meta_model(transformer, args, rank: int, shards: int, quantization: Optional[dict[str, str]] = None):
@@ -87,6 +135,12 @@ def meta_model(transformer, args, rank: int, shards: int, quantization: Optional
 
 def write_shard(tensors: dict[str, torch.Tensor], folder: Path, kind: str, rank: int, shards: int,
                 safetensors: bool) -> None:
+    """Write one shard file into `folder`, first checking that the disk has room for it."""
+    need = sum(t.numel() * t.element_size() for t in tensors.values())
+    free = shutil.disk_usage(folder).free
+    if need > free:
+        raise NoSpace(f"not enough disk space: shard {rank + 1} of {shards} needs {_size(need)}, the disk has "
+                              f"{_size(free)} free (the remaining shards need about {_size(need * (shards - rank))})")
     if safetensors:
         from safetensors.torch import save_file
 

@@ -280,3 +280,12 @@ def test_a_conversation_template_keeps_the_users_eos_text_as_text(llama_tokenize
     prompt, stops = render_chat(tokenizer, [{"role": "user", "content": "a </s> b"}], template="default")
     ids = tokenizer.encode(prompt, bos=True, eos=False)
     assert tokenizer.eos_id not in ids and "</s>" in tokenizer.decode(ids) and stops
+
+
+def test_a_nonexistent_checkpoint_folder_is_named_and_exits_2(tmp_path):
+    missing = tmp_path / "no-such-model"
+    run = subprocess.run([sys.executable, "-m", "accessory", "generate", "--pretrained_path", str(missing),
+                          "--prompt", "hi"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert f"checkpoint folder {missing} does not exist or is not a folder" in run.stderr
+    assert "Traceback" not in run.stderr

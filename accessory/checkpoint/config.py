@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from accessory.errors import ConfigError
+from accessory.errors import CheckpointError, ConfigError
 from accessory.jsonfile import read_json_object
 from accessory.quant.formats import FORMATS, GROUP
 
@@ -74,6 +74,8 @@ def read_spec(folders: Sequence[Path], llama_type: Optional[str] = None,
 
     found_type, config_files, quantization = None, [], None
     for folder in folders:
+        if not folder.is_dir():
+            raise CheckpointError(f"checkpoint folder {folder} does not exist or is not a folder")
         meta_path = folder / "meta.json"
         quantization = None  # a later folder's weights replace the earlier ones': its own say counts
         if meta_path.is_file():

@@ -80,8 +80,11 @@ def send(client: httpx.Client, path: str, body: dict) -> None:
         assert not failed, f"a stream that failed for {content[:500]}: {failed}"
 
 
+REQUESTS = st.one_of(completion.map(lambda b: ("/v1/completions", b)), chat.map(lambda b: ("/v1/chat/completions", b)))
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-@given(body=st.one_of(completion.map(lambda b: ("/v1/completions", b)), chat.map(lambda b: ("/v1/chat/completions", b))))
+@given(body=REQUESTS)
 def test_no_request_gets_a_5xx_or_a_dropped_connection(server, body):
     client, proc, log_path = server
     path, fields = body

@@ -1,6 +1,7 @@
-"""A rank that stops answering is found: SIGSTOP of a non-source rank during a stream (the server) and during
-`generate` ends every process within --rank-timeout + 10 s, names the rank, and the client gets an error event; an
-idle server with a short timeout keeps serving."""
+"""A rank that stops answering is found: SIGSTOP of a non-source rank during a stream (the server), during `generate`
+and during `batch` ends every process within --rank-timeout + 10 s and names the rank; the stream's client gets an
+error event, as it does when a rank is SIGKILLed; `batch` resumes on a rerun; an idle server with a short timeout
+keeps serving."""
 from __future__ import annotations
 
 import json
@@ -36,6 +37,26 @@ def _zombie(pid: int) -> bool:
         return False
 
 
+def start_long_stream(server: Server) -> tuple[list[str], threading.Thread]:
+    """A long streamed chat request, read in a thread; returns once its first event has arrived."""
+    events, first = [], threading.Event()
+
+    def read_stream():
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story."}],
+                "max_tokens": 450, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=120,
+                          headers={"Authorization": f"Bearer {KEY}"}) as answer:
+            for line in answer.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    first.set()
+
+    reader = threading.Thread(target=read_stream, daemon=True)
+    reader.start()
+    assert first.wait(60)
+    return events, reader
+
+
 def test_an_idle_server_keeps_serving_and_a_frozen_rank_ends_every_rank_with_an_error_event(tmp_path,
                                                                                         smollm2_checkpoint):
     server = Server(tmp_path, "--rank-timeout", str(TIMEOUT_S))
@@ -46,21 +67,7 @@ def test_an_idle_server_keeps_serving_and_a_frozen_rank_ends_every_rank_with_an_
         assert "Paris" in server.client().chat.completions.create(model=MODEL, messages=QUESTION, temperature=0,
                                                                    max_tokens=16).choices[0].message.content
         workers = server.workers()
-        events, first = [], threading.Event()
-
-        def read_stream():
-            body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story."}],
-                    "max_tokens": 450, "temperature": 0, "stream": True}
-            with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=120,
-                              headers={"Authorization": f"Bearer {KEY}"}) as answer:
-                for line in answer.iter_lines():
-                    if line.startswith("data: "):
-                        events.append(line[6:])
-                        first.set()
-
-        reader = threading.Thread(target=read_stream, daemon=True)
-        reader.start()
-        assert first.wait(60)
+        events, reader = start_long_stream(server)
         frozen = server.worker_of_rank(1)
         os.kill(frozen, signal.SIGSTOP)
         stopped_at = time.time()
@@ -105,3 +112,50 @@ def test_a_frozen_rank_during_generate_ends_every_rank_naming_it(tmp_path, smoll
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_a_killed_rank_ends_every_rank_and_the_stream_gets_an_error_event(tmp_path, smollm2_checkpoint):
+    server = Server(tmp_path, "--rank-timeout", str(TIMEOUT_S))
+    try:
+        server.wait_ready()
+        workers = server.workers()
+        events, reader = start_long_stream(server)
+        os.kill(server.worker_of_rank(2), signal.SIGKILL)
+        assert gone_within(server.proc, workers, TIMEOUT_S + 10), server.read_log()[-3000:]
+        reader.join(timeout=10)
+        assert events[-1] == "[DONE]" and "generation failed" in json.loads(events[-2])["error"]["message"]
+        assert server.proc.returncode != 0
+    finally:
+        server.stop()
+
+
+def test_a_frozen_rank_during_batch_ends_it_and_the_rerun_resumes(tiny_checkpoints, tmp_path):
+    from test_batch import batch_command, lines_in_parts, read_jsonl, tiny_records, write_jsonl
+
+    records = tiny_records(120)
+    source = write_jsonl(tmp_path / "in.jsonl", records)
+    output = tmp_path / "out" / "answers.jsonl"
+    args = ["--pretrained_path", str(tiny_checkpoints["mha", 2]), "--input", str(source), "--output", str(output),
+            "--mp", "2", "--batch_size", "4", "--max_gen_len", "24", "--max_seq_len", "256",
+            "--rank-timeout", str(TIMEOUT_S)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    first = subprocess.Popen(batch_command(args, nproc=2), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             env=env, start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while lines_in_parts(output) < 4 and first.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+        workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(first.pid)], capture_output=True,
+                                                  text=True).stdout.split()]
+        os.kill(next(pid for pid in workers if rank_of(pid) == 1), signal.SIGSTOP)
+        assert gone_within(first, workers, TIMEOUT_S + 10)
+        log = first.stderr.read().decode()
+        assert first.returncode != 0 and "rank 1 has not answered" in log, log[-3000:]
+        assert not output.exists() and 4 <= lines_in_parts(output) < 120
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+    rerun = subprocess.run(batch_command(args, nproc=2), capture_output=True, text=True, timeout=600, env=env)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert [row["id"] for row in read_jsonl(output)] == [r["id"] for r in records]

@@ -31,7 +31,8 @@ class Server:
         self.log = open(self.log_path, "w")
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", "--rdzv-backend=c10d",
                    f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "accessory", "serve", "--port", str(self.port),
-                   "--api-key", KEY, "--max_seq_len", "512", "--max_batch_size", "8", "--shutdown-grace", "60", *extra_args]
+                   "--api-key", KEY, "--max_seq_len", "512", "--max_batch_size", "8", "--shutdown-grace", "60",
+                   *extra_args]
         self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env=dict(os.environ, OMP_NUM_THREADS="1"))
 

@@ -233,12 +233,14 @@ def hostile_copy(source: Path, tmp_path: Path, change: dict) -> Path:
     return folder
 
 
-def test_a_chat_template_cannot_build_a_huge_string(tmp_path, llama_tokenizer):
+def test_a_chat_template_cannot_build_a_huge_string_or_loop_for_long(tmp_path, llama_tokenizer):
     from accessory.errors import TokenizerError
     from accessory.model.tokenizer import Tokenizer
 
     for template in ["{{ 'x' * 10**10 }}", "{{ 2 ** 1000000 }}",
-                     "{% for i in range(100000) %}{{ 'abcdefghij' }}{% endfor %}"]:
+                     "{% for i in range(100000) %}{{ 'abcdefghij' }}{% endfor %}",
+                     "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                     "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}"]:
         (tmp_path / "tokenizer.model").write_bytes(llama_tokenizer.read_bytes())
         (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
         tokenizer = Tokenizer.from_path(tmp_path)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -281,6 +282,7 @@ class Tokenizer:
                                  f"beside it): the model has no chat template; use a plain prompt instead")
         bos_token = self._backend.token(self.bos_id) if self.bos_id is not None else None
         try:
+            self._chat_template.environment.start_render()
             pieces, size = [], 0
             for piece in self._chat_template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
                                                       bos_token=bos_token, eos_token=self._backend.token(self.eos_id)):
@@ -289,7 +291,7 @@ class Tokenizer:
                     raise jinja2.TemplateError(f"its output passed {self.max_rendered_chars(messages)} characters")
                 pieces.append(piece)
             return "".join(pieces)
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, RecursionError) as e:  # RecursionError: a macro that calls itself
             raise TokenizerError(f"the chat template of {self.path.parent} rejected the messages: {e}") from e
 
     @staticmethod
@@ -365,8 +367,25 @@ def _load_chat_template(folder: Path, config: dict) -> Optional[jinja2.Template]
 
 class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
     """HF's sandbox, where `*` and `**` cannot build a value of more than TEMPLATE_CHARS items or digits from small
-    ones (`{{ 'x' * 10**10 }}`); the output's size is bounded as it is rendered (apply_chat_template)."""
+    ones (`{{ 'x' * 10**10 }}`), and the `range`s of one rendering hold at most TEMPLATE_CHARS items in all, which
+    bounds its loops' time (nested `range(100000)` loops). The output's size is bounded as it is rendered
+    (apply_chat_template), which calls `start_render` first."""
     intercepted_binops = frozenset(["*", "**"])
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self._render = threading.local()  # the server renders in several threads at once
+        self.globals["range"] = self._range
+
+    def start_render(self) -> None:
+        self._render.range_items = 0
+
+    def _range(self, *args):
+        items = range(*args)
+        self._render.range_items = getattr(self._render, "range_items", 0) + len(items)
+        if self._render.range_items > TEMPLATE_CHARS:
+            raise jinja2.sandbox.SecurityError(f"the template's ranges hold over {TEMPLATE_CHARS} items in all")
+        return items
 
     def call_binop(self, context, operator, left, right):
         if operator == "*":

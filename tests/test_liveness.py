@@ -1,7 +1,7 @@
 """A rank that stops answering is found: SIGSTOP of a non-source rank during a stream (the server), during `generate`
 and during `batch` ends every process within --rank-timeout + 10 s and names the rank; the stream's client gets an
-error event, as it does when a rank is SIGKILLed; `batch` resumes on a rerun; an idle server with a short timeout
-keeps serving."""
+error event, as it does when a rank is SIGKILLed; SIGKILL during `generate` ends every process too; `batch` resumes
+on a rerun; an idle server with a short timeout keeps serving."""
 from __future__ import annotations
 
 import json
@@ -13,6 +13,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from distributed import free_port
 from test_serve import KEY, MODEL, QUESTION, Server, rank_of
@@ -88,7 +89,8 @@ def test_an_idle_server_keeps_serving_and_a_frozen_rank_ends_every_rank_with_an_
         server.stop()
 
 
-def test_a_frozen_rank_during_generate_ends_every_rank_naming_it(tmp_path, smollm2_checkpoint):
+@pytest.mark.parametrize("stop", [signal.SIGSTOP, signal.SIGKILL], ids=["frozen", "killed"])
+def test_a_frozen_or_killed_rank_during_generate_ends_every_rank(tmp_path, smollm2_checkpoint, stop):
     log_path = tmp_path / "generate.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
@@ -104,10 +106,11 @@ def test_a_frozen_rank_during_generate_ends_every_rank_naming_it(tmp_path, smoll
         time.sleep(2)  # decoding
         workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                                   text=True).stdout.split()]
-        frozen = next(pid for pid in workers if rank_of(pid) == 2)
-        os.kill(frozen, signal.SIGSTOP)
+        os.kill(next(pid for pid in workers if rank_of(pid) == 2), stop)
         assert gone_within(proc, workers, TIMEOUT_S + 10), log_path.read_text()[-3000:]
-        assert proc.returncode != 0 and "rank 2 has not answered" in log_path.read_text()
+        assert proc.returncode != 0
+        if stop == signal.SIGSTOP:  # a killed rank ends its peers' collectives at once; a frozen one is found
+            assert "rank 2 has not answered" in log_path.read_text()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

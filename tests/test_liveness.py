@@ -1,7 +1,7 @@
 """A rank that stops answering is found: SIGSTOP of a non-source rank during a stream (the server), during `generate`
 and during `batch` ends every process within --rank-timeout + 10 s and names the rank; the stream's client gets an
-error event, as it does when a rank is SIGKILLed; SIGKILL during `generate` ends every process too; `batch` resumes
-on a rerun; an idle server with a short timeout keeps serving."""
+error event, as it does when a rank is SIGKILLed; SIGKILL of any rank during `generate` or `batch` ends every process
+too; `batch` resumes on a rerun; an idle server with a short timeout keeps serving."""
 from __future__ import annotations
 
 import json
@@ -89,8 +89,9 @@ def test_an_idle_server_keeps_serving_and_a_frozen_rank_ends_every_rank_with_an_
         server.stop()
 
 
-@pytest.mark.parametrize("stop", [signal.SIGSTOP, signal.SIGKILL], ids=["frozen", "killed"])
-def test_a_frozen_or_killed_rank_during_generate_ends_every_rank(tmp_path, smollm2_checkpoint, stop):
+@pytest.mark.parametrize("stop, rank", [(signal.SIGSTOP, 2), (signal.SIGKILL, 0), (signal.SIGKILL, 1),
+                                        (signal.SIGKILL, 2)], ids=["frozen-2", "killed-0", "killed-1", "killed-2"])
+def test_a_frozen_or_killed_rank_during_generate_ends_every_rank(tmp_path, smollm2_checkpoint, stop, rank):
     log_path = tmp_path / "generate.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
@@ -106,11 +107,11 @@ def test_a_frozen_or_killed_rank_during_generate_ends_every_rank(tmp_path, smoll
         time.sleep(2)  # decoding
         workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                                   text=True).stdout.split()]
-        os.kill(next(pid for pid in workers if rank_of(pid) == 2), stop)
+        os.kill(next(pid for pid in workers if rank_of(pid) == rank), stop)
         assert gone_within(proc, workers, TIMEOUT_S + 10), log_path.read_text()[-3000:]
         assert proc.returncode != 0
         if stop == signal.SIGSTOP:  # a killed rank ends its peers' collectives at once; a frozen one is found
-            assert "rank 2 has not answered" in log_path.read_text()
+            assert f"rank {rank} has not answered" in log_path.read_text()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -132,7 +133,8 @@ def test_a_killed_rank_ends_every_rank_and_the_stream_gets_an_error_event(tmp_pa
         server.stop()
 
 
-def test_a_frozen_rank_during_batch_ends_it_and_the_rerun_resumes(tiny_checkpoints, tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGSTOP, signal.SIGKILL], ids=["frozen", "killed"])
+def test_a_frozen_or_killed_rank_during_batch_ends_it_and_the_rerun_resumes(tiny_checkpoints, tmp_path, stop):
     from test_batch import batch_command, lines_in_parts, read_jsonl, tiny_records, write_jsonl
 
     records = tiny_records(120)
@@ -150,10 +152,11 @@ def test_a_frozen_rank_during_batch_ends_it_and_the_rerun_resumes(tiny_checkpoin
             time.sleep(0.01)
         workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(first.pid)], capture_output=True,
                                                   text=True).stdout.split()]
-        os.kill(next(pid for pid in workers if rank_of(pid) == 1), signal.SIGSTOP)
+        os.kill(next(pid for pid in workers if rank_of(pid) == 1), stop)
         assert gone_within(first, workers, TIMEOUT_S + 10)
         log = first.stderr.read().decode()
-        assert first.returncode != 0 and "rank 1 has not answered" in log, log[-3000:]
+        assert first.returncode != 0, log[-3000:]
+        assert stop == signal.SIGKILL or "rank 1 has not answered" in log, log[-3000:]
         assert not output.exists() and 4 <= lines_in_parts(output) < 120
     finally:
         if first.poll() is None:

@@ -203,7 +203,12 @@ class GenerationService:
                 for event in events:
                     self._deliver(event)
         except BaseException as e:  # a rank failed or left: the open requests end with an error, not a cut stream
-            self._fail_all(f"the model-parallel group failed: {type(e).__name__}: {e}")
+            reason = f"the model-parallel group failed: {type(e).__name__}: {e}"
+            silent = self.watchdog.silent_ranks(STALL_S) if self.watchdog is not None else {}
+            if silent:  # a peer's watchdog may have ended the lost rank before this rank's did: say which it was
+                rank = max(silent, key=silent.get)
+                reason = f"rank {rank} has not answered for {silent[rank]:.0f} s (frozen or lost); {reason}"
+            self._fail_all(reason)
             raise
         log.info("generation service stopped")
 

@@ -73,7 +73,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect_verb(verbs)
     _add_weights_verb(verbs)
     _add_reshard_verb(verbs)
+    both_spellings(parser)
     return parser
+
+
+def both_spellings(parser: argparse.ArgumentParser) -> None:
+    """Let every long flag of `parser` and its verbs take both spellings: --max-batch-size as vLLM and llama.cpp
+    spell it, --max_batch_size as LLaMA2-Accessory does."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for verb in {id(p): p for p in action.choices.values()}.values():
+                both_spellings(verb)
+            continue
+        for option in list(action.option_strings):
+            words = option[2:]
+            other = "--" + (words.replace("_", "-") if "_" in words else words.replace("-", "_"))
+            if option.startswith("--") and other != option and other not in parser._option_string_actions:
+                action.option_strings.append(other)
+                parser._option_string_actions[other] = action
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

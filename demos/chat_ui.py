@@ -41,6 +41,7 @@ def parse_args(description: str, argv=None) -> argparse.Namespace:
     # As `accessory serve`: the service keeps a KV cache of max_batch_size x max_seq_len tokens for as long as it
     # runs (at 32 x 4096: 5.6 GiB for the built-in 135M model in float32 on one rank), so smaller defaults here.
     parser.set_defaults(max_seq_len=2048, max_batch_size=16)
+    cli.both_spellings(parser)
     return parser.parse_args(argv)
 
 

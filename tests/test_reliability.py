@@ -291,3 +291,28 @@ def test_a_nonexistent_checkpoint_folder_is_named_and_exits_2(tmp_path):
     assert run.returncode == 2
     assert f"checkpoint folder {missing} does not exist or is not a folder" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+# ---- flags -----------------------------------------------------------------------------------------------------------
+
+def test_every_long_flag_of_every_verb_takes_both_spellings():
+    import argparse
+
+    from accessory.cli import build_parser
+
+    def parsers(parser):
+        yield parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for verb in {id(p): p for p in action.choices.values()}.values():
+                    yield from parsers(verb)
+
+    for parser in parsers(build_parser()):
+        for option in [o for o in parser._option_string_actions if o.startswith("--")]:
+            other = "--" + (option[2:].replace("_", "-") if "_" in option else option[2:].replace("-", "_"))
+            assert parser._option_string_actions.get(other, parser._option_string_actions[option]) is \
+                parser._option_string_actions[option], f"{parser.prog}: {option} and {other} differ"
+            assert other in parser._option_string_actions or other == option, f"{parser.prog}: no {other}"
+    parse = build_parser().parse_args
+    assert parse(["serve", "--max-batch-size", "4", "--max_queue", "3", "--rank_timeout", "5"]) == \
+        parse(["serve", "--max_batch_size", "4", "--max-queue", "3", "--rank-timeout", "5"])

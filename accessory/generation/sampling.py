@@ -14,6 +14,7 @@ import torch
 
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (as vLLM): logits / 1e-38 overflow float32
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # beyond these, penalized logits reach inf
+NAN_LOGITS = "the logits hold NaN"
 
 
 class SamplingError(ValueError):
@@ -69,7 +70,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: Optional[tor
     if params.greedy:
         tokens, broken = greedy(logits)
         if broken.any():
-            raise SamplingError("the logits hold NaN")
+            raise SamplingError(NAN_LOGITS)
         return tokens
     logits = logits / params.temperature
     if 0 < params.top_k < logits.shape[-1]:

@@ -16,7 +16,7 @@ from typing import Any, Collection, Optional, Sequence
 
 import torch
 
-from accessory.generation.sampling import SamplingError, SamplingParams, greedy, sample
+from accessory.generation.sampling import NAN_LOGITS, SamplingError, SamplingParams, greedy, sample
 from accessory.generation.text import RowText
 
 log = logging.getLogger(__name__)
@@ -185,9 +185,10 @@ class Scheduler:
         for request, token in zip(self.active, self._choose(logits)):
             if request.finish_reason is not None:
                 continue  # cancelled during the step
+            if isinstance(token, SamplingError):
+                self._fail(request, token, events)
+                continue
             try:
-                if isinstance(token, Exception):
-                    raise token
                 self._advance(request, token, events)
             except Exception as error:  # this request ends; the batch, the others and the server go on
                 self._fail(request, error, events)
@@ -212,14 +213,14 @@ class Scheduler:
         tokens, broken = greedy(logits)
         chosen, broken = tokens.tolist(), broken.tolist()
         for row, request in enumerate(self.active):
-            try:
-                if not request.params.greedy or request.seen is not None:
-                    seen = request.seen[None] if request.seen is not None else None
+            if not request.params.greedy or request.seen is not None:
+                seen = request.seen[None] if request.seen is not None else None
+                try:
                     chosen[row] = int(sample(logits[row:row + 1], request.params, request.generator, seen))
-                elif broken[row]:
-                    raise SamplingError("the logits hold NaN")
-            except SamplingError as error:
-                chosen[row] = error
+                except SamplingError as error:
+                    chosen[row] = error
+            elif broken[row]:
+                chosen[row] = SamplingError(NAN_LOGITS)
         return chosen
 
     def _fail(self, request: Request, error: Exception, events: list) -> None:

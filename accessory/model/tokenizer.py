@@ -283,12 +283,12 @@ class Tokenizer:
         bos_token = self._backend.token(self.bos_id) if self.bos_id is not None else None
         try:
             self._chat_template.environment.start_render()
-            pieces, size = [], 0
+            pieces, size, limit = [], 0, self.max_rendered_chars(messages)
             for piece in self._chat_template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
                                                       bos_token=bos_token, eos_token=self._backend.token(self.eos_id)):
                 size += len(piece)
-                if size > self.max_rendered_chars(messages):
-                    raise jinja2.TemplateError(f"its output passed {self.max_rendered_chars(messages)} characters")
+                if size > limit:
+                    raise jinja2.TemplateError(f"its output passed {limit} characters")
                 pieces.append(piece)
             return "".join(pieces)
         except (jinja2.TemplateError, RecursionError) as e:  # RecursionError: a macro that calls itself

@@ -92,7 +92,7 @@ class ModelArgs:
     load_pretrained_visual_encoder: bool = False  # LLaMA2-Accessory training flag; no effect on inference
 
     def __post_init__(self):
-        self.check_values(self.to_dict(), type(self).__name__)
+        self.check_values(self.to_dict())
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.dim % self.n_heads:
@@ -114,20 +114,19 @@ class ModelArgs:
             raise ConfigError(f"{source}: unknown model config key(s) {unknown}; known keys: {sorted(known)}.{hint}")
 
     @classmethod
-    def check_values(cls, values: dict, source: str) -> None:
+    def check_values(cls, values: dict, source: Optional[str] = None) -> None:
         """Reject a value of the wrong type or out of range, naming the file, the field and what it must be."""
         types = {f.name: f.type for f in dataclasses.fields(cls)}
         for name, value in values.items():
             problem = field_problem(name, value, types.get(name))
             if problem:
-                raise ConfigError(f"{source}: {name} {problem}")
+                raise ConfigError(f"{source + ': ' if source else ''}{name} {problem}")
 
     @classmethod
     def from_dict(cls, values: dict, source: str = "config") -> "ModelArgs":
         values = without_engine_keys(values, source)
         cls.check_keys(values, source)
-        cls.check_values(values, source)
-        try:
+        try:  # __post_init__ checks the values
             return cls(**values)
         except ConfigError as e:
             raise ConfigError(f"{source}: {e}") from None

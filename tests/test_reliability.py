@@ -316,3 +316,90 @@ def test_every_long_flag_of_every_verb_takes_both_spellings():
     parse = build_parser().parse_args
     assert parse(["serve", "--max-batch-size", "4", "--max_queue", "3", "--rank_timeout", "5"]) == \
         parse(["serve", "--max_batch_size", "4", "--max-queue", "3", "--rank-timeout", "5"])
+
+
+def test_sampling_flags_refuse_what_sampling_refuses():
+    from accessory.cli import build_parser
+
+    for flag, value in [("--temperature", "inf"), ("--temperature", "nan"), ("--repetition_penalty", "1e-300"),
+                        ("--repetition_penalty", "1000")]:
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["generate", "--prompt", "x", flag, value])
+
+
+def test_a_failed_row_is_written_with_its_error_and_shown_by_the_demos():
+    from accessory.batch import Job, output_row
+    from accessory.generation.scheduler import Event
+
+    failed = Event("a", "partial", "", True, "error", 3, "SamplingError: the logits hold NaN")
+    job = Job(id="a", line=1, prompt="p", stops=(), prompt_tokens=2)
+    row = output_row(job, failed, max_gen_len=8, max_seq_len=64)
+    assert row["finish_reason"] == "error" and row["error"] == failed.error and row["output"] == "partial"
+    assert "error" not in output_row(job, Event("a", "x", "", True, "length", 8), 8, 64)
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "demos"))
+    import chat_ui
+
+    assert chat_ui.status_line(failed) == "Failed (3 tokens): SamplingError: the logits hold NaN."
+
+
+def test_a_chat_prompt_crosses_ranks_with_its_message_spans():
+    import pickle
+
+    from accessory.model.tokenizer import ChatPrompt
+
+    prompt = ChatPrompt("<|im_start|>user\nhi <|im_end|><|im_end|>\n", ((17, 30),))
+    copy = pickle.loads(pickle.dumps([prompt]))[0]
+    assert isinstance(copy, ChatPrompt) and copy == prompt and copy.contents == prompt.contents
+
+
+def test_a_completions_prompt_reads_control_tokens_as_text_unless_the_server_allows_them(model):
+    from starlette.testclient import TestClient
+
+    from accessory.serve.api import create_app
+    from accessory.serve.engine import GenerationService
+
+    service = GenerationService(model, heartbeat_s=0.2)
+    runner = threading.Thread(target=service.run, daemon=True)
+    runner.start()
+    try:
+        counts = {}
+        for allowed in (False, True):
+            with TestClient(create_app(service, "tiny", special_tokens_in_prompt=allowed)) as client:
+                answer = completion(client, prompt="</s>", max_tokens=1)
+            counts[allowed] = answer.json()["usage"]["prompt_tokens"]
+        assert counts[True] == 2 and counts[False] > 2  # BOS + EOS, or BOS + the characters of "</s>"
+    finally:
+        service.shutdown()
+        runner.join(timeout=30)
+
+
+def test_chat_keeps_the_other_ranks_waiting_while_the_user_types(monkeypatch):
+    """The source rank sends a keep-alive while the terminal has no line yet; the others wait past it."""
+    import time as clock
+
+    from accessory import cli
+
+    class Source:
+        is_source, sent = True, []
+
+        def broadcast_object(self, obj):
+            self.sent.append(obj)
+            return obj
+
+    monkeypatch.setattr(cli, "KEEPALIVE_S", 0.05)
+    monkeypatch.setattr(cli, "_read_line", lambda prompt: clock.sleep(0.3) or "hello")
+    source = Source()
+    assert cli._next_line(source) == "hello"
+    assert source.sent[-1] == "hello" and source.sent.count(cli._STILL_WAITING) >= 3
+
+    class Follower:
+        is_source = False
+
+        def __init__(self, received):
+            self.received = iter(received)
+
+        def broadcast_object(self, obj):
+            return next(self.received)
+
+    assert cli._next_line(Follower([cli._STILL_WAITING, cli._STILL_WAITING, None])) is None

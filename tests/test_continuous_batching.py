@@ -128,7 +128,7 @@ def test_the_queue_is_bounded_and_closes_on_shutdown(model):
     service = GenerationService(model, max_queue=2, grace_s=0)
     service.submit("Hi", {"max_gen_len": 4})
     service.submit("Hi", {"max_gen_len": 4})
-    with pytest.raises(QueueFull, match="2 requests are already waiting"):
+    with pytest.raises(QueueFull, match="2 requests are waiting"):
         service.submit("Hi", {"max_gen_len": 4})
     with pytest.raises(ValueError, match="max_seq_len"):
         service.submit("Hi " * 200)

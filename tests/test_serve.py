@@ -174,14 +174,14 @@ def test_api_key_is_required_except_for_health(server):
     ({"messages": QUESTION, "temperature": "hot"}, 400, "temperature"),
     ({"messages": QUESTION, "top_p": 1.5}, 400, "top_p"),
     ({"messages": QUESTION, "max_tokens": 0}, 400, "max_tokens"),
-    ({"messages": QUESTION, "n": 2}, 400, "n"),
+    ({"messages": QUESTION, "n": 9}, 400, "n"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role"),
     ({"messages": []}, 400, "messages"),
-    ({"messages": [{"role": "assistant", "content": "hi"}]}, 400, None),
+    ({"messages": [*QUESTION, {"role": "system", "content": "hi"}]}, 400, None),
     ({"messages": [{"role": "user", "content": "word " * 600}]}, 400, None),
     ({"messages": QUESTION, "max_tokens": 500}, 400, None),
     ({"messages": QUESTION, "model": "gpt-4"}, 404, "model"),
-], ids=["wrong-type", "out-of-range", "zero-tokens", "n", "bad-role", "no-messages", "last-not-user",
+], ids=["wrong-type", "out-of-range", "zero-tokens", "n", "bad-role", "no-messages", "system-last",
         "prompt-too-long", "prompt-plus-max-tokens-too-long", "unknown-model"])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, body, status, param):
     body = {"model": MODEL, **body}

@@ -5,42 +5,84 @@ import logging
 from typing import Optional
 
 log = logging.getLogger(__name__)
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+TOOL_ROLES = ("tool",)  # only a chat template that writes tool turns takes these
 
 
 def check_messages(messages: list[dict]) -> None:
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ROLES or not isinstance(
-                message.get("content"), str):
+        calls = isinstance(message, dict) and message.get("role") == "assistant" and message.get("tool_calls")
+        content_ok = isinstance(message, dict) and (isinstance(message.get("content"), str)
+                                                    or (calls and message.get("content") is None))
+        if not isinstance(message, dict) or message.get("role") not in ROLES or not content_ok:
             raise ValueError(f"messages[{i}] must be {{'role': one of {ROLES}, 'content': str}}, got {message!r}")
-    if messages[-1]["role"] != "user":
-        raise ValueError(f"the last message must be the user's, got {messages[-1]['role']!r}")
+    if messages[-1]["role"] == "system" or messages[-1]["role"] == "developer":
+        raise ValueError(f"the last message must be the user's, a tool's, or an assistant's to continue; got "
+                         f"{messages[-1]['role']!r}")
 
 
-def render_chat(tokenizer, messages: list[dict], template: Optional[str] = None) -> tuple[str, list[str]]:
+def render_chat(tokenizer, messages: list[dict], template: Optional[str] = None,
+                tools: Optional[list] = None) -> tuple[str, list[str]]:
     """(prompt, stop strings). Template None: the model's own chat template, whose end-of-turn token is already a
     stop id; if the model has none, LLaMA2-Accessory's default conversation. A name: that conversation template.
-    The messages' text is encoded as plain text (a ChatPrompt, when it holds a special token's text)."""
+
+    A "developer" message is a system message (as OpenAI treats it for models without that role). When the last
+    message is the assistant's, the prompt ends inside it, so the reply continues that text. `tools` (OpenAI's
+    function definitions) are given to the chat template; a template that does not write them is an error, as is a
+    "tool" message for a conversation template. The messages' text is encoded as plain text (a ChatPrompt, when it
+    holds a special token's text)."""
     check_messages(messages)
+    messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    if messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
+        messages = messages[:-1]  # nothing to continue: a new reply
+    continuing = messages[-1]["role"] == "assistant"
     if template is None and tokenizer.has_chat_template:
-        return tokenizer.literal_messages(
-            lambda shown: tokenizer.apply_chat_template(list(shown), add_generation_prompt=True), messages), []
+        def rendered(shown: list[dict], with_tools: bool = True) -> str:
+            text = tokenizer.apply_chat_template(list(shown), add_generation_prompt=not continuing,
+                                                 **({"tools": tools} if tools and with_tools else {}))
+            return _ending_in(text, shown[-1]["content"]) if continuing else text
+
+        if tools and rendered(messages) == rendered(messages, with_tools=False):
+            raise ValueError("tools: this model's chat template does not write tool definitions (pass one that "
+                             "does with --chat-template)")
+        return tokenizer.literal_messages(rendered, messages), []
+    return _conversation_prompt(tokenizer, messages, template, tools)
+
+
+def _conversation_prompt(tokenizer, messages: list[dict], template: Optional[str],
+                         tools: Optional[list]) -> tuple[str, list[str]]:
+    """The prompt in a LLaMA2-Accessory conversation template (which has no tool turns)."""
     from accessory.data.conversation import get_conversation
 
+    name = template or "default"
+    if tools or any(m["role"] in TOOL_ROLES or m.get("tool_calls") for m in messages):
+        raise ValueError(f"tools: the conversation template {name!r} has no tool turns (a model chat template with "
+                         f"tool support is needed)")
     if template is None:
         log.info("the model has no chat template; using LLaMA2-Accessory's default conversation")
-    stops = list(get_conversation(template or "default").stop_symbols)  # an unknown name raises, listing the known
+    stops = list(get_conversation(name).stop_symbols)  # an unknown name raises, listing the known
+    continuing = messages[-1]["role"] == "assistant"
 
     def conversation(shown: list[dict]) -> str:
-        conv = get_conversation(template or "default")  # a fresh copy
+        conv = get_conversation(name)  # a fresh copy
         for message in shown:
             if message["role"] == "system":
                 conv.system = message["content"]
             else:
                 conv.append_message(conv.roles[message["role"] == "assistant"], message["content"])
-        conv.append_message(conv.roles[1], None)
-        return conv.get_prompt()
+        if not continuing:
+            conv.append_message(conv.roles[1], None)
+            return conv.get_prompt()
+        return _ending_in(conv.get_prompt(), shown[-1]["content"])
 
     return tokenizer.literal_messages(conversation, messages), stops
+
+
+def _ending_in(text: str, content: str) -> str:
+    """`text` cut right after the last message's `content` (what the template wrote after it closes the turn)."""
+    at = text.rfind(content.strip()) if content.strip() else -1
+    if at < 0:
+        raise ValueError("the last (assistant) message cannot be continued: the template does not write its text")
+    return text[:at + len(content.strip())]

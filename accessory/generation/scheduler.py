@@ -16,7 +16,8 @@ from typing import Any, Collection, Optional, Sequence
 
 import torch
 
-from accessory.generation.sampling import NAN_LOGITS, SamplingError, SamplingParams, greedy, sample
+from accessory.generation.constraints import Matcher
+from accessory.generation.sampling import NAN_LOGITS, Penalties, SamplingError, SamplingParams, greedy, sample
 from accessory.generation.text import RowText
 
 log = logging.getLogger(__name__)
@@ -35,9 +36,19 @@ class Event:
     finish_reason: Optional[str] = None  # None until the request ends, then one of FINISH_REASONS
     completion_tokens: int = 0
     error: Optional[str] = None  # what went wrong, when finish_reason is "error"
+    logprobs: tuple["TokenLogprob", ...] = ()  # of the tokens sampled since the last event (if asked for)
 
     def __getitem__(self, key: str):
         return getattr(self, key)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model (its raw logits: before penalties, temperature or a
+    constraint), and the `top` most likely tokens' (token, log-probability), most likely first."""
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -93,12 +104,19 @@ class Request:
     params: SamplingParams
     seed: int
     stop_strings: Sequence[str] = ()
+    matcher: Optional[Matcher] = field(default=None, repr=False)  # the constraint the output must match
     # state, kept by the scheduler
     text: Optional[RowText] = field(default=None, repr=False)
     generator: Optional[torch.Generator] = field(default=None, repr=False)
-    seen: Optional[torch.Tensor] = field(default=None, repr=False)  # (vocab,) bool, for the repetition penalty
+    penalties: Optional[Penalties] = field(default=None, repr=False)
     finish_reason: Optional[str] = None
     shown: str = ""  # the text callers have been sent
+    logprobs: list[TokenLogprob] = field(default_factory=list, repr=False)  # not yet sent
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Its token is the argmax of the raw logits (such rows are chosen all at once)."""
+        return self.params.greedy and not self.params.penalized and self.matcher is None
 
     @property
     def generated(self) -> list[int]:
@@ -140,9 +158,14 @@ class Scheduler:
         survivors = [row for row, request in enumerate(self.active) if request.finish_reason is None]
         keep = _fill_holes(survivors)
         self.active = [self.active[row] for row in keep]
-        admitted = [self.waiting.popleft() for _ in range(min(self.rows - len(keep), len(self.waiting)))]
-        for request in admitted:
-            self._start(request)
+        admitted = []
+        while self.waiting and len(keep) + len(admitted) < self.rows:
+            request = self.waiting.popleft()
+            try:
+                self._start(request)
+                admitted.append(request)
+            except Exception as error:  # this request ends; the others go on
+                self._fail(request, error, events)
         self.active += admitted
         done = self.closed and not self.active and not self.waiting
         plan = Plan(tuple(keep), tuple(r.generated[-1] for r in self.active[:len(keep)]),
@@ -177,30 +200,33 @@ class Scheduler:
     def _start(self, request: Request) -> None:
         request.text = RowText(self.tokenizer, request.stop_strings)
         request.generator = torch.Generator(device=self.device).manual_seed(request.seed)
-        if request.params.repetition_penalty != 1.0:
-            request.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
-            request.seen[torch.tensor(request.tokens, device=self.device)] = True
+        if request.params.penalized:
+            request.penalties = Penalties(request.params, request.tokens, self.vocab_size, self.device)
 
     def _sample(self, logits: torch.Tensor, events: list) -> None:
-        for request, token in zip(self.active, self._choose(logits)):
+        for row, (request, token) in enumerate(zip(self.active, self._choose(logits))):
             if request.finish_reason is not None:
                 continue  # cancelled during the step
-            if isinstance(token, SamplingError):
+            if isinstance(token, Exception):
                 self._fail(request, token, events)
                 continue
             try:
-                self._advance(request, token, events)
+                self._advance(request, token, logits[row], events)
             except Exception as error:  # this request ends; the batch, the others and the server go on
                 self._fail(request, error, events)
 
-    def _advance(self, request: Request, token: int, events: list) -> None:
+    def _advance(self, request: Request, token: int, logits: torch.Tensor, events: list) -> None:
         if token in self.stop_ids:
             self._finish(request, "stop", events)
             return
         request.text.push(token)
-        if request.seen is not None:
-            request.seen[token] = True
-        if request.text.stopped:
+        if request.params.logprobs is not None:
+            request.logprobs.append(token_logprob(logits, token, request.params.logprobs))
+        if request.penalties is not None:
+            request.penalties.observe(token)
+        if request.matcher is not None:
+            request.matcher.consume(token)
+        if request.text.stopped or (request.matcher is not None and request.matcher.finished):
             self._finish(request, "stop", events)
         elif len(request.generated) >= request.params.max_gen_len:
             self._finish(request, "length", events)
@@ -213,11 +239,13 @@ class Scheduler:
         tokens, broken = greedy(logits)
         chosen, broken = tokens.tolist(), broken.tolist()
         for row, request in enumerate(self.active):
-            if not request.params.greedy or request.seen is not None:
-                seen = request.seen[None] if request.seen is not None else None
+            if not request.plain_greedy:
                 try:
-                    chosen[row] = int(sample(logits[row:row + 1], request.params, request.generator, seen))
-                except SamplingError as error:
+                    row_logits = logits[row:row + 1]
+                    if request.matcher is not None:
+                        row_logits = request.matcher.mask(row_logits)
+                    chosen[row] = int(sample(row_logits, request.params, request.generator, request.penalties))
+                except Exception as error:  # SamplingError, or a constraint that failed: this row ends
                     chosen[row] = error
             elif broken[row]:
                 chosen[row] = SamplingError(NAN_LOGITS)
@@ -243,8 +271,16 @@ class Scheduler:
         if text == request.shown and not ended:
             return
         events.append(Event(request.id, text, text[len(request.shown):], ended, request.finish_reason,
-                            len(request.generated)))
-        request.shown = text
+                            len(request.generated), logprobs=tuple(request.logprobs)))
+        request.shown, request.logprobs = text, []
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """`token`'s log-probability under `logits` (vocab,), and the `top` most likely tokens'."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    best = logprobs.topk(top) if top else None
+    pairs = tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()
+    return TokenLogprob(token, float(logprobs[token]), pairs)
 
 
 def _fill_holes(survivors: list[int]) -> list[int]:

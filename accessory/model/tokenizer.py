@@ -248,6 +248,21 @@ class Tokenizer:
     # --- chat -----------------------------------------------------------------------------------------------------
 
     @property
+    def backend(self):
+        """The library object underneath: `_SentencePiece` (its processor is `.sp`) or `_HFTokenizers` (`.tk`)."""
+        return self._backend
+
+    def token_text(self, i: int) -> str:
+        """Token `i` on its own, as text: its leading space kept (a SentencePiece "\u2581" or a byte-level "\u0120"
+        is a space), a byte token as that byte (undecodable alone: a replacement character)."""
+        if self._backend.is_special(i):
+            return self._backend.token(i) or ""
+        if isinstance(self._backend, _SentencePiece):
+            piece = self._backend.token(i)
+            return " " + self.decode([i]) if piece.startswith("\u2581") else self.decode([i])
+        return self.decode([i])
+
+    @property
     def has_chat_template(self) -> bool:
         return self._chat_template is not None
 
@@ -275,17 +290,19 @@ class Tokenizer:
                              f"template of {self.path.parent} changes the messages it writes, so that text cannot "
                              f"be kept apart from the template's")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render `messages` ([{"role": ..., "content": ...}, ...]) with the model's chat template, as HF does."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **context) -> str:
+        """Render `messages` ([{"role": ..., "content": ...}, ...]) with the model's chat template, as HF does;
+        `context`: more variables for the template (`tools`)."""
         if self._chat_template is None:
             raise TokenizerError(f"{self._config_path} has no chat_template (and there is no chat_template.jinja "
                                  f"beside it): the model has no chat template; use a plain prompt instead")
         bos_token = self._backend.token(self.bos_id) if self.bos_id is not None else None
         try:
             self._chat_template.environment.start_render()
-            pieces, size, limit = [], 0, self.max_rendered_chars(messages)
+            pieces, size, limit = [], 0, self.max_rendered_chars(messages) + len(str(context))
             for piece in self._chat_template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                      bos_token=bos_token, eos_token=self._backend.token(self.eos_id)):
+                                                      bos_token=bos_token, eos_token=self._backend.token(self.eos_id),
+                                                      **context):
                 size += len(piece)
                 if size > limit:
                     raise jinja2.TemplateError(f"its output passed {limit} characters")

@@ -7,19 +7,23 @@ missing or wrong API key, 404 for an unknown model, 429 when the queue is full, 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import time
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from accessory.generation.sampling import REPETITION_PENALTY_RANGE
+from accessory.generation.chat import render_chat
+from accessory.generation.constraints import Constraint, ConstraintError
+from accessory.generation.sampling import LOGIT_BIAS_RANGE, MAX_LOGPROBS, PENALTY_RANGE, REPETITION_PENALTY_RANGE
 from accessory.generation.scheduler import Event
 from accessory.serve.engine import GenerationService, Handle, QueueFull, ServiceClosed
 
@@ -35,47 +39,104 @@ class APIError(Exception):
         self.headers = headers
 
 
-class StreamOptions(BaseModel):
+class Strict(BaseModel):
+    """A field of the wrong type is an error, not a guess; so is a field this server does not know."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
-    """What both endpoints take. Strict: a string where a number belongs is an error, not a guess."""
-    model_config = ConfigDict(strict=True, extra="ignore")  # OpenAI clients send fields we need not read
+class JSONSchemaFormat(Strict):
+    name: str = "response"
+    description: Optional[str] = None
+    schema_: dict = Field(default_factory=dict, alias="schema")
+    strict: Optional[bool] = None
 
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+
+
+class SamplingFields(Strict):
+    """What both endpoints take: OpenAI's fields, and vLLM's extensions top_k, min_p, repetition_penalty and
+    guided_json / guided_regex / guided_choice (structured output without response_format)."""
     model: str
     max_tokens: Optional[int] = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)  # extensions, as in vLLM
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
+    presence_penalty: float = Field(0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    frequency_penalty: float = Field(0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    logit_bias: Optional[dict[str, Annotated[float, Field(ge=LOGIT_BIAS_RANGE[0], le=LOGIT_BIAS_RANGE[1])]]] = None
     stop: Union[None, str, list[str]] = None
     seed: Optional[int] = None
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: Union[None, bool, int] = None
-    logit_bias: Optional[dict] = None
+    user: Optional[str] = None  # the caller's end user, written in the request's log line
+    response_format: Optional[ResponseFormat] = None
+    guided_json: Optional[dict] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[str]]
+    prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = Field(16, ge=1)  # OpenAI's default for completions
     echo: bool = False
-    best_of: Optional[int] = None
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: Optional[int] = Field(None, ge=1)
+    suffix: Optional[str] = None
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "user", "assistant"]
-    content: str
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class OtherPart(BaseModel):  # images, audio, files: named in the refusal
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[None, str, list[Union[TextPart, OtherPart]]] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[dict]] = None
+    tool_call_id: Optional[str] = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: dict
 
 
 class ChatRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[None, str, dict] = None
+    parallel_tool_calls: Optional[bool] = None
+
+
+class TokenizeRequest(Strict):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[Message]] = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(Strict):
+    model: Optional[str] = None
+    tokens: list[int]
 
 
 def create_app(service: GenerationService, model_name: str, api_key: Optional[str] = None,
@@ -87,6 +148,8 @@ def create_app(service: GenerationService, model_name: str, api_key: Optional[st
     `special_tokens_in_prompt`."""
     app = FastAPI(title="accessory", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=max_request_bytes)
+    tokenizer = service.model.tokenizer
+    fingerprint = system_fingerprint(service, model_name)
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
@@ -105,7 +168,8 @@ def create_app(service: GenerationService, model_name: str, api_key: Optional[st
     async def on_validation_error(request, error: RequestValidationError):
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"] if part != "body")
-        return error_response(APIError(400, f"{where or 'body'}: {first['msg']}", param=where or None))
+        message = "not a field this server takes" if first["type"] == "extra_forbidden" else first["msg"]
+        return error_response(APIError(400, f"{where or 'body'}: {message}", param=where or None))
 
     @app.exception_handler(HTTPException)
     async def on_http_error(request, error: HTTPException):
@@ -119,55 +183,96 @@ def create_app(service: GenerationService, model_name: str, api_key: Optional[st
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card(model_name)]}
+        return {"object": "list", "data": [model_card(model_name, service)]}
 
     @app.get("/v1/models/{name}")
     async def model(name: str):
         check_model(name, model_name)
-        return model_card(model_name)
+        return model_card(model_name, service)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        check_common(body, model_name)
-        if body.echo or (body.best_of or 1) > 1:
-            raise APIError(400, "echo and best_of > 1 are not supported", param="echo" if body.echo else "best_of")
-        prompt = body.prompt
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise APIError(400, f"prompt: one prompt per request is supported, got {len(prompt)}",
-                               param="prompt")
-            prompt = prompt[0]
-        check_text(prompt, "prompt")
-        handle = await submit(lambda loop: service.submit(prompt, sampling(body, body.max_tokens), stops(body),
-                                                          loop, special=special_tokens_in_prompt))
-        return await respond(COMPLETION, body, handle, request, model_name)
+        options = check_common(body, model_name, service.rows)
+        if body.suffix:
+            raise APIError(400, "suffix: inserting text (fill-in-the-middle) is not supported", param="suffix")
+        if body.best_of not in (None, body.n):
+            raise APIError(400, f"best_of: only best_of equal to n ({body.n}) is supported, got {body.best_of}",
+                           param="best_of")
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs: the prompt's log-probabilities are not computed by this "
+                                "server (ask for one or the other)", param="echo")
+        prompt = one_prompt(body.prompt)
+        if isinstance(prompt, str):
+            check_text(prompt, "prompt")
+        sampling = sampling_of(body, body.max_tokens, body.logprobs)
+
+        def make(loop):
+            tokens = service.encode(prompt, special_tokens_in_prompt) if isinstance(prompt, str) else prompt
+            check_token_ids(tokens, service.vocab_size, "prompt")
+            return service.submit_tokens(tokens, sampling, stops(body), loop, **options)
+
+        handle = await submit(make, body)
+        echoed = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) if body.echo else ""
+        return await respond(Completion(tokenizer, echoed), body, handle, request, model_name, fingerprint)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        check_common(body, model_name)
-        messages = [m.model_dump() for m in body.messages]
-        for i, message in enumerate(messages):
-            check_text(message["content"], f"messages.{i}.content")
+        options = check_common(body, model_name, service.rows)
+        messages = [plain_message(m, f"messages.{i}") for i, m in enumerate(body.messages)]
+        tools = chat_tools(body)
         limit = body.max_completion_tokens or body.max_tokens
-        handle = await submit(lambda loop: service.submit_chat(messages, sampling(body, limit), template,
-                                                               stops(body), loop))
-        return await respond(CHAT, body, handle, request, model_name)
+        top = body.top_logprobs
+        if top is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+        sampling = sampling_of(body, limit, (top or 0) if body.logprobs else None)
+        handle = await submit(lambda loop: service.submit_chat(messages, sampling, template, stops(body), loop,
+                                                               tools=tools, **options), body)
+        return await respond(Chat(tokenizer), body, handle, request, model_name, fingerprint)
 
-    async def submit(make) -> Handle:
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if body.model is not None:
+            check_model(body.model, model_name)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt")
+        if body.prompt is not None:
+            check_text(body.prompt, "prompt")
+            tokens = await run_in_threadpool(tokenizer.encode, body.prompt, body.add_special_tokens, False,
+                                             special=special_tokens_in_prompt)
+        else:
+            messages = [plain_message(m, f"messages.{i}") for i, m in enumerate(body.messages)]
+            tokens = await submit_free(lambda: service.encode(render_chat(tokenizer, messages, template)[0]))
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": service.columns}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        if body.model is not None:
+            check_model(body.model, model_name)
+        check_token_ids(body.tokens, service.vocab_size, "tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    async def submit(make, body: SamplingFields) -> Handle:
         """`make(loop)` queues the request, in a worker thread (templates and tokenizing take time: the event loop
         keeps answering meanwhile); the service's refusals become API errors."""
         loop = asyncio.get_running_loop()
-        try:
-            return await run_in_threadpool(make, loop)
-        except QueueFull as e:
-            raise APIError(429, str(e), code="rate_limit_exceeded", kind="rate_limit_error",
-                           headers={"Retry-After": str(RETRY_AFTER_S)})
-        except ServiceClosed as e:
-            raise APIError(503, str(e), kind="server_error")
-        except ValueError as e:
-            raise APIError(400, str(e), code="context_length_exceeded" if "max_seq_len" in str(e) else None)
+        return await submit_free(lambda: make(loop), constraint_field(body))
 
     return app
+
+
+async def submit_free(work, constraint_field: Optional[str] = None):
+    """`work()` in a worker thread, its refusals as API errors (a constraint's naming `constraint_field`)."""
+    try:
+        return await run_in_threadpool(work)
+    except ConstraintError as e:
+        raise APIError(400, str(e), param=constraint_field)
+    except QueueFull as e:
+        raise APIError(429, str(e), code="rate_limit_exceeded", kind="rate_limit_error",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})
+    except ServiceClosed as e:
+        raise APIError(503, str(e), kind="server_error")
+    except ValueError as e:  # TokenizerError is one
+        raise APIError(400, str(e), code="context_length_exceeded" if "max_seq_len" in str(e) else None)
 
 
 def error_response(error: APIError) -> JSONResponse:
@@ -184,8 +289,18 @@ def generation_failed(final: Event) -> APIError:
                     kind="server_error")
 
 
-def model_card(name: str) -> dict:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "accessory"}
+def model_card(name: str, service: GenerationService) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "accessory", "max_model_len": service.columns}
+
+
+def system_fingerprint(service: GenerationService, model_name: str) -> str:
+    """Names what produced an answer (this version, the model's configuration and its parallel layout), so a
+    client can tell when outputs for the same seed may differ."""
+    from accessory import __version__
+
+    settings = (model_name, __version__, torch.__version__, repr(service.engine.model.args), service.ctx.world_size,
+                str(service.engine.model.dtype), service.engine.settings)
+    return "fp_" + hashlib.sha256(repr(settings).encode()).hexdigest()[:12]
 
 
 def check_model(name: str, served: str) -> None:
@@ -194,15 +309,98 @@ def check_model(name: str, served: str) -> None:
                        code="model_not_found")
 
 
-def check_common(body: SamplingFields, served: str) -> None:
+def check_common(body: SamplingFields, served: str, rows: int) -> dict:
+    """Check what both endpoints share; the service's options for `n` and the constraint."""
     check_model(body.model, served)
-    if body.n != 1:
-        raise APIError(400, f"n: only n=1 is supported, got {body.n}", param="n")
-    unsupported = [name for name in ("presence_penalty", "frequency_penalty") if getattr(body, name)]
-    unsupported += [name for name in ("logprobs", "logit_bias") if getattr(body, name)]
-    if unsupported:
-        raise APIError(400, f"{unsupported[0]} is not supported (use repetition_penalty for repetition)",
-                       param=unsupported[0])
+    if body.n > rows:
+        raise APIError(400, f"n: at most {rows} samples per request (the server's --max-batch-size), got {body.n}",
+                       param="n")
+    return {"n": body.n, "constraint": constraint_of(body)}
+
+
+def constraint_fields(body: SamplingFields) -> list[str]:
+    """The fields that ask for structured output."""
+    given = [name for name in ("guided_json", "guided_regex", "guided_choice") if getattr(body, name) is not None]
+    fmt = body.response_format
+    return given + ["response_format"] if fmt is not None and fmt.type != "text" else given
+
+
+def constraint_field(body: SamplingFields) -> Optional[str]:
+    return next(iter(constraint_fields(body)), None)
+
+
+def constraint_of(body: SamplingFields) -> Optional[Constraint]:
+    """The structured-output constraint the request asks for, at most one."""
+    given = constraint_fields(body)
+    fmt = body.response_format
+    if len(given) > 1:
+        raise APIError(400, f"{' and '.join(given)}: ask for one kind of structured output at most",
+                       param=given[1])
+    try:
+        if fmt is not None and fmt.type == "json_object":
+            return Constraint("json_object")
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise APIError(400, "response_format.json_schema: required when type is json_schema",
+                               param="response_format.json_schema")
+            return Constraint.json_schema(fmt.json_schema.schema_)
+        if body.guided_json is not None:
+            return Constraint.json_schema(body.guided_json)
+        if body.guided_regex is not None:
+            return Constraint("regex", body.guided_regex)
+        if body.guided_choice is not None:
+            return Constraint.choice(body.guided_choice)
+    except ValueError as e:
+        raise APIError(400, f"{given[0]}: {e}", param=given[0])
+    return None
+
+
+def one_prompt(prompt) -> Union[str, list[int]]:
+    """The request's prompt: text, or token ids."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return prompt
+    if len(prompt) != 1:
+        raise APIError(400, f"prompt: one prompt per request is supported, got {len(prompt)}", param="prompt")
+    return prompt[0]
+
+
+def check_token_ids(tokens: list[int], vocab_size: int, field: str) -> None:
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(400, f"{field}: {bad[0]} is not a token id of this model (0 to {vocab_size - 1})",
+                       param=field)
+
+
+def plain_message(message: Message, where: str) -> dict:
+    """An OpenAI message as the chat template reads it: its text parts joined into one string."""
+    content = message.content
+    if isinstance(content, list):
+        for i, part in enumerate(content):
+            if not isinstance(part, TextPart):
+                raise APIError(400, f"{where}.content.{i}: {part.type!r} parts are not supported: this model "
+                                    f"reads text only", param=f"{where}.content.{i}")
+        content = "\n".join(part.text for part in content)
+    if content is None and not message.tool_calls:
+        raise APIError(400, f"{where}.content: required (it may be null only beside tool_calls)",
+                       param=f"{where}.content")
+    if content is not None:
+        check_text(content, f"{where}.content")
+    plain = {"role": message.role, "content": content}
+    for key in ("name", "tool_calls", "tool_call_id"):
+        if getattr(message, key) is not None:
+            plain[key] = getattr(message, key)
+    return plain
+
+
+def chat_tools(body: ChatRequest) -> Optional[list[dict]]:
+    """The tools to give the chat template: none when tool_choice is "none"; only "auto" lets the model choose."""
+    choice = body.tool_choice if body.tool_choice is not None else "auto"
+    if choice not in ("auto", "none"):
+        raise APIError(400, f"tool_choice: only 'auto' and 'none' are supported, got {choice!r}",
+                       param="tool_choice")
+    if not body.tools or choice == "none":
+        return None
+    return [tool.model_dump() for tool in body.tools]
 
 
 def stops(body: SamplingFields) -> list[str]:
@@ -219,10 +417,13 @@ def check_text(text: str, field: str) -> None:
     except UnicodeEncodeError as e:
         raise APIError(400, f"{field}: not valid Unicode text ({e.reason} at character {e.start})", param=field)
 
-def sampling(body: SamplingFields, max_tokens: Optional[int]) -> dict:
+
+def sampling_of(body: SamplingFields, max_tokens: Optional[int], logprobs: Optional[int]) -> dict:
     """The service's sampling dict; without max_tokens the reply may fill the rest of the window."""
-    chosen = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
-              "repetition_penalty": body.repetition_penalty, "seed": body.seed}
+    chosen = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
+              "repetition_penalty": body.repetition_penalty, "presence_penalty": body.presence_penalty,
+              "frequency_penalty": body.frequency_penalty, "logit_bias": body.logit_bias or {},
+              "logprobs": logprobs, "seed": body.seed}
     return chosen if max_tokens is None else {**chosen, "max_gen_len": max_tokens}
 
 
@@ -256,68 +457,119 @@ class BodyLimit:
 
 # ---- responses ---------------------------------------------------------------------------------------------------
 
-class Shape:
-    """How one endpoint words its answers: the whole one, and the streamed chunks."""
+class Chat:
+    """How /v1/chat/completions words its answers: whole choices, streamed chunks, and log-probs."""
+    prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, prefix: str, obj: str, chunk_obj: str, chat: bool):
-        self.prefix, self.object, self.chunk_object, self.chat = prefix, obj, chunk_obj, chat
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
 
-    def choice(self, text: str, finish: Optional[str]) -> dict:
-        if self.chat:
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                    "finish_reason": finish}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def choice(self, index: int, text: str, finish: Optional[str], logprobs: Optional[list]) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": self.logprobs(logprobs), "finish_reason": finish}
 
-    def chunk_choice(self, delta: str, finish: Optional[str], first: bool) -> dict:
-        if not self.chat:
-            return self.choice(delta, finish)
-        content = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
-        return {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish}
+    def opening(self, index: int) -> Optional[dict]:
+        """The first chunk of choice `index`, before any text: the role, as OpenAI streams it."""
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
+
+    def chunk_choice(self, index: int, delta: str, finish: Optional[str], logprobs: Optional[list]) -> dict:
+        return {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": self.logprobs(logprobs),
+                "finish_reason": finish}
+
+    def logprobs(self, entries: Optional[list]) -> Optional[dict]:
+        if entries is None:
+            return None
+        return {"content": [{**self._token(e.token, e.logprob),
+                             "top_logprobs": [self._token(t, lp) for t, lp in e.top]} for e in entries]}
+
+    def _token(self, token: int, logprob: float) -> dict:
+        text = self.tokenizer.token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
-COMPLETION = Shape("cmpl-", "text_completion", "text_completion", chat=False)
-CHAT = Shape("chatcmpl-", "chat.completion", "chat.completion.chunk", chat=True)
+class Completion(Chat):
+    """/v1/completions: text choices, and log-probs in the legacy shape (tokens, token_logprobs, top_logprobs,
+    text_offset)."""
+    prefix, object, chunk_object = "cmpl-", "text_completion", "text_completion"
+
+    def __init__(self, tokenizer, echoed: str = ""):
+        super().__init__(tokenizer)
+        self.echoed = echoed
+
+    def choice(self, index: int, text: str, finish: Optional[str], logprobs: Optional[list]) -> dict:
+        return {"index": index, "text": self.echoed + text, "logprobs": self.logprobs(logprobs),
+                "finish_reason": finish}
+
+    def opening(self, index: int) -> Optional[dict]:
+        """The echoed prompt, if asked for, comes first."""
+        return {"index": index, "text": self.echoed, "logprobs": None, "finish_reason": None} if self.echoed else None
+
+    def chunk_choice(self, index: int, delta: str, finish: Optional[str], logprobs: Optional[list]) -> dict:
+        return {"index": index, "text": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+
+    def logprobs(self, entries: Optional[list]) -> Optional[dict]:
+        if entries is None:
+            return None
+        texts = [self.tokenizer.token_text(e.token) for e in entries]
+        offsets = [sum(map(len, texts[:i])) for i in range(len(texts))]  # within the completion's text
+        return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self.tokenizer.token_text(t): lp for t, lp in e.top} for e in entries],
+                "text_offset": offsets}
 
 
-async def respond(shape: Shape, body: SamplingFields, handle: Handle, request: Request, model_name: str):
-    head = {"id": shape.prefix + handle.id, "created": int(time.time()), "model": model_name}
+async def respond(shape: Chat, body: SamplingFields, handle: Handle, request: Request, model_name: str,
+                  fingerprint: str):
+    head = {"id": shape.prefix + handle.id, "created": int(time.time()), "model": model_name,
+            "system_fingerprint": fingerprint}
+    wants_logprobs = body.logprobs is not None and body.logprobs is not False  # completions' 0 asks for them
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(stream(shape, head, handle, request, include_usage),
+        return StreamingResponse(stream(shape, head, handle, request, include_usage, wants_logprobs),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    final = None
+    finals: dict[int, Event] = {}
+    logprobs: dict[int, list] = {i: [] for i in range(len(handle.ids))}
     try:
         async for event in watched(handle, request):
-            final = event
+            logprobs[handle.index(event)] += event.logprobs
+            if event.end_of_content:
+                finals[handle.index(event)] = event
     finally:
-        handle.cancel()  # a no-op once finished; frees the row if the client left or the task was cancelled
-    if final is None:
+        handle.cancel()  # a no-op once finished; frees the rows if the client left or the task was cancelled
+    if len(finals) < len(handle.ids):
         return JSONResponse({}, status_code=499)  # the client is gone; nobody reads this
-    if final.finish_reason == "error":
-        return error_response(generation_failed(final))
-    return {**head, "object": shape.object, "choices": [shape.choice(final.text, final.finish_reason)],
-            "usage": usage(handle, final)}
+    failed = [final for final in finals.values() if final.finish_reason == "error"]
+    if failed:
+        return error_response(generation_failed(failed[0]))
+    choices = [shape.choice(i, finals[i].text, finals[i].finish_reason,
+                            logprobs[i] if wants_logprobs else None) for i in sorted(finals)]
+    return {**head, "object": shape.object, "choices": choices, "usage": usage(handle, finals.values())}
 
 
-async def stream(shape: Shape, head: dict, handle: Handle, request: Request, include_usage: bool):
+async def stream(shape: Chat, head: dict, handle: Handle, request: Request, include_usage: bool,
+                 wants_logprobs: bool):
     def sse(choices: list, **extra) -> str:
         return f"data: {json.dumps({**head, 'object': shape.chunk_object, 'choices': choices, **extra})}\n\n"
 
+    finals: list[Event] = []
     try:
-        first = True
+        for opening in filter(None, map(shape.opening, range(len(handle.ids)))):
+            yield sse([opening])
         async for event in watched(handle, request):
-            if event.delta or first:
-                yield sse([shape.chunk_choice(event.delta, None, first)])
-                first = False
+            index = handle.index(event)
+            if event.delta or event.logprobs:
+                yield sse([shape.chunk_choice(index, event.delta, None,
+                                              list(event.logprobs) if wants_logprobs else None)])
             if event.finish_reason == "error":  # as OpenAI streams an error: an error object, then the end
-                error = generation_failed(event)
-                yield f"data: {json.dumps(error_body(error))}\n\n"
-            elif event.end_of_content:
-                yield sse([shape.chunk_choice("", event.finish_reason, False)])
-                if include_usage:
-                    yield sse([], usage=usage(handle, event))
-            if event.end_of_content:
+                yield f"data: {json.dumps(error_body(generation_failed(event)))}\n\n"
                 yield "data: [DONE]\n\n"
+                return
+            if event.end_of_content:
+                finals.append(event)
+                yield sse([shape.chunk_choice(index, "", event.finish_reason, None)])
+        if include_usage:
+            yield sse([], usage=usage(handle, finals))
+        yield "data: [DONE]\n\n"
     finally:
         handle.cancel()  # the client disconnected (or the stream ended: then a no-op)
 
@@ -334,6 +586,7 @@ async def watched(handle: Handle, request: Request):
         yield event
 
 
-def usage(handle: Handle, final: Event) -> dict:
-    return {"prompt_tokens": handle.prompt_tokens, "completion_tokens": final.completion_tokens,
-            "total_tokens": handle.prompt_tokens + final.completion_tokens}
+def usage(handle: Handle, finals) -> dict:
+    completion = sum(final.completion_tokens for final in finals)
+    return {"prompt_tokens": handle.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": handle.prompt_tokens + completion}

@@ -18,13 +18,16 @@ import signal
 import threading
 from typing import Callable, Optional, Sequence
 
+from accessory.generation import constraints
 from accessory.generation.chat import render_chat
+from accessory.generation.constraints import Constraint
 from accessory.generation.sampling import SamplingParams
 from accessory.generation.scheduler import Event, Request, row_seeds
 from accessory.parallel.watchdog import active_watchdog
 
 log = logging.getLogger(__name__)
-SAMPLING_KEYS = ("max_gen_len", "temperature", "top_p", "top_k", "repetition_penalty")
+SAMPLING_KEYS = ("max_gen_len", "temperature", "top_p", "top_k", "repetition_penalty", "min_p", "presence_penalty",
+                 "frequency_penalty", "logit_bias", "logprobs")
 STALL_S = 3.0  # a rank silent this long makes /health say 503 (it ends every rank at --rank-timeout)
 
 
@@ -37,14 +40,21 @@ class ServiceClosed(Exception):
 
 
 class Handle:
-    """One submitted request's `Event`s, in order; the last has end_of_content True. Iterate it from a thread, or
-    `async for` it from the event loop it was submitted with."""
+    """One submitted request's `Event`s, in order, for each of its `n` samples (`index(event)` says which): each
+    sample's last event has end_of_content True. Iterate it from a thread, or `async for` it from the event loop it
+    was submitted with."""
 
-    def __init__(self, request_id: str, prompt_tokens: int, cancel: Callable[[str], None],
+    def __init__(self, request_id: str, n: int, prompt_tokens: int, cancel: Callable[[str], None],
                  loop: Optional[asyncio.AbstractEventLoop]):
         self.id, self.prompt_tokens, self._cancel, self._loop = request_id, prompt_tokens, cancel, loop
+        self.ids = [request_id] if n == 1 else [f"{request_id}.{i}" for i in range(n)]
+        self._index = {sample_id: i for i, sample_id in enumerate(self.ids)}
         self._events = asyncio.Queue() if loop is not None else queue.Queue()
+        self._open = n  # samples not yet ended
         self.finished = False
+
+    def index(self, event: Event) -> int:
+        return self._index[event.id]
 
     def deliver(self, event: Event) -> None:  # the engine's thread
         if self._loop is None:
@@ -56,20 +66,22 @@ class Handle:
             pass
 
     def cancel(self) -> None:
-        """Stop generating: the row leaves the batch at the next step (a final "cancelled" event follows)."""
+        """Stop generating: the rows leave the batch at the next step (final "cancelled" events follow)."""
         if not self.finished:
-            self._cancel(self.id)
+            for sample_id in self.ids:
+                self._cancel(sample_id)
+
+    def _received(self, event: Event) -> Event:
+        self._open -= event.end_of_content
+        self.finished = self._open == 0
+        return event
 
     def __iter__(self):
         while not self.finished:
-            event = self._events.get()
-            self.finished = event.end_of_content
-            yield event
+            yield self._received(self._events.get())
 
     async def next_event(self) -> Event:
-        event = await self._events.get()
-        self.finished = event.end_of_content
-        return event
+        return self._received(await self._events.get())
 
     async def __aiter__(self):
         while not self.finished:
@@ -96,26 +108,35 @@ class GenerationService:
     # ---- the source rank, any thread ---------------------------------------------------------------------------
 
     def submit(self, prompt: str, sampling: Optional[dict] = None, stop: Sequence[str] = (),
-               loop: Optional[asyncio.AbstractEventLoop] = None, special: bool = True) -> Handle:
+               loop: Optional[asyncio.AbstractEventLoop] = None, special: bool = True, **options) -> Handle:
         """Queue a completion of `prompt`. `sampling`: SAMPLING_KEYS and "seed" (None: random); max_gen_len
         defaults to the rest of the window. `special=False`: special tokens' text in the prompt is plain text.
-        Raises ValueError for bad parameters or a prompt that does not fit, QueueFull, or ServiceClosed."""
+        `options`: those of `submit_tokens`. Raises ValueError for bad parameters or a prompt that does not fit,
+        QueueFull, or ServiceClosed."""
+        return self.submit_tokens(self.encode(prompt, special), sampling, stop, loop, **options)
+
+    def encode(self, prompt: str, special: bool = True) -> list[int]:
+        """The prompt's tokens (with BOS); ValueError if it surely cannot fit, before spending time on it."""
         per_token = self.model.tokenizer.max_token_chars
-        if len(prompt) > self.columns * per_token:  # surely too long: say so without tokenizing it
+        if len(prompt) > self.columns * per_token:
             raise ValueError(f"the prompt has {len(prompt)} characters, more than {self.columns} tokens can hold "
                              f"(one holds at most {per_token}): this model's max_seq_len is {self.columns}")
-        tokens = self.model.tokenizer.encode(prompt, bos=True, eos=False, special=special)
-        return self.submit_tokens(tokens, sampling, stop, loop)
+        return self.model.tokenizer.encode(prompt, bos=True, eos=False, special=special)
 
     def submit_chat(self, messages: list[dict], sampling: Optional[dict] = None, template: Optional[str] = None,
-                    stop: Sequence[str] = (), loop: Optional[asyncio.AbstractEventLoop] = None) -> Handle:
+                    stop: Sequence[str] = (), loop: Optional[asyncio.AbstractEventLoop] = None,
+                    tools: Optional[list] = None, **options) -> Handle:
         """Queue the assistant's reply to OpenAI-style messages, in the model's chat template or a named
-        LLaMA2-Accessory conversation template (whose stop symbols are added to `stop`)."""
-        prompt, template_stops = render_chat(self.model.tokenizer, messages, template)
-        return self.submit(prompt, sampling, [*template_stops, *stop], loop)
+        LLaMA2-Accessory conversation template (whose stop symbols are added to `stop`). `tools`: function
+        definitions, for a chat template that writes them."""
+        prompt, template_stops = render_chat(self.model.tokenizer, messages, template, tools)
+        return self.submit(prompt, sampling, [*template_stops, *stop], loop, **options)
 
     def submit_tokens(self, tokens: list[int], sampling: Optional[dict] = None, stop: Sequence[str] = (),
-                      loop: Optional[asyncio.AbstractEventLoop] = None) -> Handle:
+                      loop: Optional[asyncio.AbstractEventLoop] = None, n: int = 1,
+                      constraint: Optional[Constraint] = None) -> Handle:
+        """Queue `n` samples of a completion of `tokens` (sample i's seed is `row_seeds(seed, n)[i]`, so the
+        first is what n=1 gives), each held to `constraint` if one is given."""
         if not self.ctx.is_source:
             raise RuntimeError("requests are submitted on the model-parallel source rank only")
         sampling = dict(sampling or {})
@@ -123,8 +144,12 @@ class GenerationService:
         unknown = set(sampling) - set(SAMPLING_KEYS)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s) {sorted(unknown)}; known: {SAMPLING_KEYS} and seed")
-        # a seed per request; checked here, before anything is registered
-        row_seed = row_seeds(secrets.randbits(62) if seed is None else seed, 1)[0]
+        if not isinstance(n, int) or not 1 <= n <= self.rows:
+            raise ValueError(f"n must be an integer in [1, {self.rows}] (the server's max_batch_size), got {n!r}")
+        # a seed per sample; checked here, before anything is registered
+        seeds = row_seeds(secrets.randbits(62) if seed is None else seed, n)
+        sampling["logit_bias"] = self._logit_bias(sampling.get("logit_bias") or {})
+        matchers = [self._matcher(constraint) for _ in range(n)]  # a schema that cannot compile raises here
         if not tokens:
             raise ValueError("the prompt is empty")
         if len(tokens) >= self.columns:
@@ -137,12 +162,33 @@ class GenerationService:
         with self._lock:
             if not self.accepting:
                 raise ServiceClosed("the server is shutting down")
-            if self.waiting >= self.max_queue:
-                raise QueueFull(f"{self.max_queue} requests are already waiting; try again later")
-            handle = Handle(f"{next(self._ids)}-{secrets.token_hex(6)}", len(tokens), self.scheduler.cancel, loop)
-            self._handles[handle.id] = handle
-        self.scheduler.add(Request(handle.id, tokens, params, row_seed, [s for s in stop if s]))
+            if self.waiting + n > self.max_queue:
+                raise QueueFull(f"{self.waiting} requests are waiting and this one adds {n}; at most "
+                                f"{self.max_queue} may wait: try again later")
+            handle = Handle(f"{next(self._ids)}-{secrets.token_hex(6)}", n, len(tokens), self.scheduler.cancel, loop)
+            self._handles.update(dict.fromkeys(handle.ids, handle))
+        for sample_id, seed, matcher in zip(handle.ids, seeds, matchers):
+            self.scheduler.add(Request(sample_id, tokens, params, seed, [s for s in stop if s], matcher))
         return handle
+
+    def _matcher(self, constraint: Optional[Constraint]):
+        if constraint is None:
+            return None
+        return constraints.start(constraint, self.model.tokenizer, self.vocab_size, self.engine.stop_ids)
+
+    def _logit_bias(self, bias: dict) -> tuple[tuple[int, float], ...]:
+        """{token id (an int or its decimal text, as JSON keys are): bias} -> sorted pairs; ids must exist."""
+        pairs = []
+        for key, value in bias.items():
+            token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
+                raise ValueError(f"logit_bias: {key!r} is not a token id of this model (0 to {self.vocab_size - 1})")
+            pairs.append((token, value))
+        return tuple(sorted(pairs))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model.args.vocab_size
 
     def shutdown(self) -> None:
         """Take no new requests; finish the accepted ones (cancelled after grace_s); then `run()` returns."""
@@ -169,8 +215,9 @@ class GenerationService:
         with self._lock:
             self.failed, self.accepting = reason, False
             handles, self._handles = list(self._handles.values()), {}
-        for handle in handles:
-            handle.deliver(Event(handle.id, "", "", True, "error", 0, reason))
+        for handle in set(handles):
+            for sample_id in handle.ids:
+                handle.deliver(Event(sample_id, "", "", True, "error", 0, reason))
 
     def health(self) -> tuple[bool, dict]:
         """(healthy, what /health says): not while a rank is silent for STALL_S or has been lost."""
@@ -191,7 +238,7 @@ class GenerationService:
 
     @property
     def running(self) -> int:
-        """Requests accepted and not yet finished (waiting or in the batch)."""
+        """Samples accepted and not yet finished (waiting or in the batch)."""
         return len(self._handles)
 
     # ---- every rank, main thread ---------------------------------------------------------------------------------

@@ -1,0 +1,141 @@
+"""Structured output: a request's output is held to a JSON schema, any JSON object, a regular expression or a list
+of choices, by masking the tokens that could not continue a match before each sampling step (on the source rank).
+
+The grammar engine is llguidance (measured in benchmarks/grammar.py beside xgrammar: both cost tens of
+microseconds per token, but llguidance compiles a schema in about a millisecond where xgrammar takes about half a
+second, which a server with a new schema per request would pay in time to first token; and it needs no torch).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+
+import torch
+
+# Objects are written compactly with the separators models write by themselves, and no other whitespace: free
+# whitespace lets a model pad forever without breaking the grammar.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+KINDS = ("json_schema", "json_object", "regex", "choice")
+
+
+class ConstraintError(ValueError):
+    """A schema or pattern that cannot be compiled."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must match. `spec`: the schema as JSON text (json_schema), the pattern (regex), the
+    choices as a JSON list (choice); empty for json_object."""
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"a constraint's kind must be one of {KINDS}, got {self.kind!r}")
+
+    @classmethod
+    def json_schema(cls, schema: dict) -> "Constraint":
+        return cls("json_schema", json.dumps(schema, sort_keys=True))
+
+    @classmethod
+    def choice(cls, choices: list[str]) -> "Constraint":
+        if not choices or not all(isinstance(c, str) and c for c in choices):
+            raise ValueError(f"choices must be a non-empty list of non-empty strings, got {choices!r}")
+        return cls("choice", json.dumps(choices))
+
+    def grammar(self) -> str:
+        """The llguidance grammar (its JSON text) for this constraint."""
+        import llguidance
+
+        if self.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(self.spec)
+        if self.kind == "choice":
+            return llguidance.LLMatcher.grammar_from_regex("|".join(map(re.escape, json.loads(self.spec))))
+        schema = json.loads(self.spec) if self.kind == "json_schema" else {"type": "object"}
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+
+
+class Matcher:
+    """One row's place in its constraint: which tokens may come next, and the tokens taken so far."""
+
+    def __init__(self, matcher, vocab_size: int):
+        import llguidance.torch
+
+        self._matcher, self.vocab_size = matcher, vocab_size
+        self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
+        self._bits = torch.arange(32, dtype=torch.int32)
+
+    def allowed(self) -> torch.Tensor:
+        """(vocab,) bool: the tokens that keep the output a possible match (a stop id once it is a whole one)."""
+        import llguidance.torch
+
+        llguidance.torch.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
+        return ((self._bitmask[0, :, None] >> self._bits) & 1).bool().flatten()[:self.vocab_size]
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` (1, vocab) with every token that breaks the match at -inf."""
+        allowed = self.allowed().to(logits.device)
+        return logits.masked_fill(~allowed[:logits.shape[-1]], float("-inf"))
+
+    def consume(self, token: int) -> None:
+        if not self._matcher.consume_token(token):
+            raise RuntimeError(f"token {token} does not continue the constrained output: "
+                               f"{self._matcher.get_error()}")
+
+    @property
+    def finished(self) -> bool:
+        """The output is a whole match and nothing may follow it (then the row stops)."""
+        return self._matcher.is_stopped()
+
+
+def start(constraint: Constraint, tokenizer, vocab_size: int, stop_ids) -> Matcher:
+    """A matcher at the start of `constraint`, for a model whose logits have `vocab_size` entries and whose rows
+    end on `stop_ids`. Raises ConstraintError for a schema or pattern that cannot be compiled."""
+    import llguidance
+
+    lltokenizer = _lltokenizer(tokenizer, vocab_size, frozenset(stop_ids))
+    try:
+        grammar = constraint.grammar()
+    except Exception as e:  # llguidance raises ValueError, or its own errors, for bad patterns
+        raise ConstraintError(f"the {constraint.kind} constraint cannot be compiled: {e}") from None
+    matcher = llguidance.LLMatcher(lltokenizer, grammar)
+    if matcher.is_error():
+        raise ConstraintError(f"the {constraint.kind} constraint cannot be compiled: {matcher.get_error()}")
+    return Matcher(matcher, vocab_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _lltokenizer(tokenizer, vocab_size: int, stop_ids: frozenset):
+    """llguidance's view of the vocabulary (about a second to build; once per tokenizer)."""
+    import llguidance
+
+    backend = tokenizer.backend
+    eos = sorted(stop_ids) or ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
+    n_vocab = max(vocab_size, tokenizer.n_words)
+    if hasattr(backend, "tk"):  # HF tokenizers: llguidance reads tokenizer.json itself
+        return llguidance.LLTokenizer(backend.tk.to_str(), n_vocab=n_vocab, eos_token=eos)
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_SentencePieceVocabulary(backend.sp, eos)),
+                                  n_vocab=n_vocab, eos_token=eos)
+
+
+class _SentencePieceVocabulary:
+    """What llguidance reads of a SentencePiece model: each token's bytes, the special ids, and encoding."""
+
+    def __init__(self, sp, eos: list[int]):
+        self.sp, self.eos_token_id = sp, eos[0]
+        self.bos_token_id = sp.bos_id() if sp.bos_id() >= 0 else None
+        self.tokens = [self._bytes(i) for i in range(sp.vocab_size())]
+        self.special_token_ids = [i for i in range(sp.vocab_size()) if sp.is_control(i) or sp.is_unknown(i)]
+
+    def _bytes(self, i: int) -> bytes:
+        piece = self.sp.id_to_piece(i)
+        if self.sp.is_byte(i):  # "<0x0A>"
+            return bytes([int(piece[3:5], 16)])
+        if self.sp.is_control(i) or self.sp.is_unknown(i):
+            return b""
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    def __call__(self, text: str) -> list[int]:
+        return self.sp.encode(text)

@@ -1,0 +1,244 @@
+"""The rest of the OpenAI API on a live `accessory serve` (the default model at 3 ranks), through the official
+`openai` client: log-probs against the model's own logits in this process, n samples, the penalties, logit_bias and
+min_p, content-part arrays, developer and tool roles, continuing an assistant message, structured output validated
+with jsonschema, /tokenize and /detokenize, system_fingerprint; and every other field refused by name."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import math
+
+import httpx
+import jsonschema
+import pytest
+import torch
+
+from test_serve import KEY, MODEL, QUESTION, Server, chat, streamed_text
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 30}, "age": {"type": "integer", "minimum": 0},
+                   "city": {"type": "string", "maxLength": 30}},
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smollm2_checkpoint):
+    server = Server(tmp_path_factory.mktemp("openai"))
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def oracle(smollm2_checkpoint):
+    """The same checkpoint in this process, one rank: its logits are what the server's log-probs must say."""
+    from accessory.model.meta import MetaModel
+
+    return MetaModel.from_pretrained(str(smollm2_checkpoint), max_seq_len=512)
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+
+
+# ---- log-probs ----------------------------------------------------------------------------------------------------
+
+def test_chat_logprobs_are_the_models_own(server, oracle):
+    answer = chat(server.client(), max_tokens=8, logprobs=True, top_logprobs=3)
+    content = answer.choices[0].logprobs.content
+    assert len(content) == answer.usage.completion_tokens >= 5
+    prompt = post(server, "/tokenize", {"model": MODEL, "messages": QUESTION}).json()["tokens"]
+    generated = oracle.tokenizer.encode("".join(c.token for c in content), bos=False, eos=False)
+    logits = oracle.compute_logits([prompt + generated], bos=False)[0]
+    expected = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    for position, (entry, token) in enumerate(zip(content, generated)):
+        assert math.isclose(entry.logprob, expected[position, token].item(), abs_tol=2e-3), position
+        best = expected[position].topk(3)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(best.values.tolist(), abs=2e-3)
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the chosen token is the most likely
+        assert bytes(entry.bytes).decode() == entry.token
+
+
+def test_completion_logprobs_streamed_equal_whole(server):
+    client = server.client()
+    ask = dict(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2)
+    whole = client.completions.create(**ask).choices[0]
+    tokens, logprobs = [], []
+    for chunk in client.completions.create(**ask, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            tokens += chunk.choices[0].logprobs.tokens
+            logprobs += chunk.choices[0].logprobs.token_logprobs
+    assert "".join(whole.logprobs.tokens) == whole.text and tokens == whole.logprobs.tokens
+    assert logprobs == pytest.approx(whole.logprobs.token_logprobs)
+    assert all(len(top) == 2 for top in whole.logprobs.top_logprobs)
+    assert whole.logprobs.text_offset[0] == 0
+
+
+# ---- n, penalties, bias ---------------------------------------------------------------------------------------------
+
+def test_n_samples_differ_and_repeat_with_a_seed(server):
+    client = server.client()
+    ask = dict(messages=[{"role": "user", "content": "Write a word."}], max_tokens=12, temperature=1.0, seed=7)
+    first = chat(client, n=3, logprobs=True, **ask)
+    texts = [c.message.content for c in sorted(first.choices, key=lambda c: c.index)]
+    assert [c.index for c in sorted(first.choices, key=lambda c: c.index)] == [0, 1, 2]
+    assert len(set(texts)) == 3
+    again = chat(client, n=3, **ask)
+    assert [c.message.content for c in sorted(again.choices, key=lambda c: c.index)] == texts
+    assert chat(client, **ask).choices[0].message.content == texts[0]  # sample 0 is what n=1 gives
+    assert first.usage.completion_tokens == sum(len(c.logprobs.content) for c in first.choices)
+    assert first.usage.prompt_tokens == chat(client, **ask).usage.prompt_tokens  # the prompt counts once
+    streamed = {}
+    for chunk in chat(client, n=3, stream=True, **ask):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+    assert [streamed[i] for i in range(3)] == texts
+
+
+def test_logit_bias_and_min_p_change_what_is_chosen(server):
+    client = server.client()
+    plain = chat(client, max_tokens=8, logprobs=True)
+    first_token = plain.choices[0].logprobs.content[0].token
+    first_id = post(server, "/tokenize", {"prompt": first_token, "add_special_tokens": False}).json()["tokens"][0]
+    banned = chat(client, max_tokens=8, logit_bias={str(first_id): -100}, logprobs=True)
+    assert banned.choices[0].logprobs.content[0].token != first_token
+    # min_p = 1 keeps only the most likely token: sampling at any temperature is then greedy
+    assert chat(client, max_tokens=8, temperature=2.0, seed=3, extra_body={"min_p": 1.0}).choices[0].message.content == \
+        plain.choices[0].message.content
+
+
+def test_penalties_and_bias_choose_the_argmax_of_the_adjusted_logits(server, oracle):
+    """Greedy with OpenAI's penalties: each token is the argmax of the model's logits minus frequency_penalty per
+    earlier occurrence in the output and presence_penalty once, plus the bias (recomputed here, one rank)."""
+    prompt = "I like apples and apples like me. Apples apples"
+    ids = post(server, "/tokenize", {"prompt": prompt}).json()["tokens"]
+    bias = {oracle.tokenizer.encode(" and", bos=False, eos=False)[0]: -5.0}
+    answer = server.client().completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, temperature=0, frequency_penalty=1.5, presence_penalty=0.5,
+        logit_bias={str(t): b for t, b in bias.items()}, logprobs=0).choices[0]
+    generated = oracle.tokenizer.encode("".join(answer.logprobs.tokens), bos=False, eos=False)
+    logits = oracle.compute_logits([ids + generated], bos=False)[0][len(ids) - 1:]
+    counts = torch.zeros(logits.shape[-1])
+    for position, token in enumerate(generated):
+        adjusted = logits[position] - 1.5 * counts - 0.5 * (counts > 0)
+        for biased, value in bias.items():
+            adjusted[biased] += value
+        assert adjusted.argmax().item() == token, position
+        counts[token] += 1
+    plain = server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+    assert plain.choices[0].text != answer.text
+
+
+# ---- messages -------------------------------------------------------------------------------------------------------
+
+def test_content_parts_developer_role_and_continuing_the_assistant(server):
+    client = server.client()
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},
+                                          {"type": "text", "text": "of France?"}]}]
+    joined = [{"role": "user", "content": "What is the capital\nof France?"}]
+    assert chat(client, parts, max_tokens=12).choices[0].message.content == \
+        chat(client, joined, max_tokens=12).choices[0].message.content
+    developer = [{"role": "developer", "content": "Answer in French."}, *QUESTION]
+    system = [{"role": "system", "content": "Answer in French."}, *QUESTION]
+    assert chat(client, developer, max_tokens=12).choices[0].message.content == \
+        chat(client, system, max_tokens=12).choices[0].message.content
+    whole = chat(client, max_tokens=16).choices[0].message.content
+    start = whole[:len(whole) // 2].rstrip()
+    rest = chat(client, [*QUESTION, {"role": "assistant", "content": start}], max_tokens=16).choices[0]
+    assert (start + rest.message.content).startswith(whole[:len(whole) * 3 // 4])
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+    refused = post(server, "/v1/chat/completions", {"model": MODEL, "messages": image})
+    assert refused.status_code == 400 and "image_url" in refused.json()["error"]["message"]
+
+
+def test_tools_need_a_template_that_writes_them(server):
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    answer = post(server, "/v1/chat/completions", {"model": MODEL, "messages": QUESTION, "tools": tools})
+    assert answer.status_code == 400 and "tools" in answer.json()["error"]["message"]
+    assert post(server, "/v1/chat/completions", {"model": MODEL, "messages": QUESTION, "tools": tools,
+                                                 "tool_choice": "none", "max_tokens": 4}).status_code == 200
+
+
+# ---- structured output ---------------------------------------------------------------------------------------------
+
+def test_json_schema_output_validates_on_20_seeds(server):
+    client = server.client()
+    ask = [{"role": "user", "content": "Invent a person: name, age and city, as JSON."}]
+
+    def person(seed: int):
+        return chat(client, ask, max_tokens=60, temperature=1.0, seed=seed,
+                    response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # they share the batch
+        answers = list(pool.map(person, range(20)))
+    for answer in answers:
+        choice = answer.choices[0]
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+    assert len({answer.choices[0].message.content for answer in answers}) > 10
+
+
+def test_json_object_regex_and_choice(server):
+    client = server.client()
+    ask = [{"role": "user", "content": "Describe Paris as JSON."}]
+    streamed, _, finish = streamed_text(chat(client, ask, max_tokens=80, stream=True,
+                                             response_format={"type": "json_object"}))
+    assert finish == "stop" and isinstance(json.loads(streamed), dict)
+    date = chat(client, [{"role": "user", "content": "When did the Bastille fall?"}], max_tokens=20,
+                extra_body={"guided_regex": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"}).choices[0].message.content
+    assert len(date) == 10 and date[4] == date[7] == "-"
+    picked = chat(client, max_tokens=10, extra_body={"guided_choice": ["Paris", "Lyon", "Nice"]}, n=3,
+                  temperature=1.0, seed=1)
+    assert {c.message.content for c in picked.choices} <= {"Paris", "Lyon", "Nice"}
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {
+        "a": {"$ref": "#/nowhere"}}}}}}, "response_format"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"frequency_penalty": 3}, "frequency_penalty"),
+    ({"logit_bias": {"99999999": 1}}, None),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ({"store": True}, "store"),
+    ({"messages": [{"role": "user", "content": "hi", "color": "red"}]}, "messages.0.color"),
+], ids=["bad-schema", "bad-regex", "two-constraints", "unknown-format", "tool-choice", "penalty-range",
+        "bias-token", "top-without-logprobs", "too-many-top", "unknown-field", "unknown-message-field"])
+def test_fields_that_cannot_work_are_refused_by_name(server, body, param):
+    answer = post(server, "/v1/chat/completions", {"model": MODEL, "messages": QUESTION, "max_tokens": 4, **body})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert param is None or error["param"] == param, error
+
+
+def test_completion_fields(server):
+    client = server.client()
+    echoed = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0,
+                                       echo=True).choices[0].text
+    assert echoed.startswith("The capital of France is Paris")
+    ids = post(server, "/tokenize", {"prompt": "The capital of France is"}).json()["tokens"]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0).choices[0].text
+    assert echoed == "The capital of France is" + by_ids
+    for field, value in (("suffix", "!"), ("best_of", 3)):
+        answer = post(server, "/v1/completions", {"model": MODEL, "prompt": "Hi", field: value})
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == field
+
+
+# ---- tokenizer endpoints, fingerprint -------------------------------------------------------------------------------
+
+def test_tokenize_detokenize_and_fingerprint(server, oracle):
+    tokens = post(server, "/tokenize", {"model": MODEL, "prompt": "Hello world"}).json()
+    assert tokens["tokens"] == oracle.tokenizer.encode("Hello world", bos=True, eos=False)
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 512
+    assert post(server, "/detokenize", {"tokens": tokens["tokens"]}).json() == {"prompt": "Hello world"}
+    assert post(server, "/detokenize", {"tokens": [10 ** 9]}).status_code == 400
+    first, second = chat(server.client(), max_tokens=2), chat(server.client(), max_tokens=2)
+    assert first.system_fingerprint.startswith("fp_") and first.system_fingerprint == second.system_fingerprint

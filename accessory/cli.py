@@ -98,7 +98,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--pretrained_path", nargs="+", help="checkpoint folder(s), later ones overriding earlier "
                        "ones (default: the built-in SmolLM2-135M-Instruct, imported on first use)")
     model.add_argument("--llama_type", help="model type (default: meta.json's, else llama)")
-    model.add_argument("--llama_config", nargs="+", default=[], help="config files overriding the folder's")
+    model.add_argument("--llama_config", nargs="+", default=[], help="config files or presets (llama2-7b, "
+                       "llama3.1-8b, llamaPeft_normBiasLora, ...: docs/configs.md) overriding the folder's "
+                       "(default: none)")
     model.add_argument("--tokenizer_path", help="tokenizer.model / tokenizer.json (default: found beside weights)")
     model.add_argument("--max_seq_len", type=positive_int, default=4096)
     model.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: bf16 on CUDA, fp32 on CPU")

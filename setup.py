@@ -10,7 +10,7 @@ setup(
     python_requires=">=3.10",
     # torch is pinned in requirements.txt (installed in the same pip command); any recent torch works here.
     install_requires=["torch>=2.4", "numpy", "sentencepiece", "tokenizers", "safetensors", "jinja2", "tqdm",
-                      "gguf", "transformers"],
+                      "gguf", "transformers", "pyyaml"],
     extras_require={"test": ["pytest", "accelerate"]},
     entry_points={"console_scripts": ["accessory=accessory.cli:main"]},
 )

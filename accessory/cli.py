@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 
+from accessory.config_file import add_config_arg, parse_args
 from accessory.errors import AccessoryError, FailedInStep
 
 
@@ -94,6 +95,7 @@ def both_spellings(parser: argparse.ArgumentParser) -> None:
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
+    add_config_arg(parser)
     model = parser.add_argument_group("model")
     model.add_argument("--pretrained_path", nargs="+", help="checkpoint folder(s), later ones overriding earlier "
                        "ones (default: the built-in SmolLM2-135M-Instruct, imported on first use)")
@@ -451,7 +453,7 @@ def _byte_size(text: str) -> int:
 
 
 def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     run(args.handler, args)
 
 
@@ -504,8 +506,11 @@ def _setup_logging() -> None:
 def _checked(convert, ok, expected: str):
     """An argparse type: `convert` the text, then refuse values that are not `ok`, saying what was expected."""
     def parse(value: str):
-        x = convert(value)
-        if not ok(x):
+        try:
+            x = convert(value)
+        except ValueError:  # "eight": the same message as for 0
+            x = None
+        if x is None or not ok(x):
             raise argparse.ArgumentTypeError(f"must be {expected}, got {value}")
         return x
     return parse

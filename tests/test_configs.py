@@ -1,18 +1,23 @@
-"""Configuration: every file of the top-level configs/ folder.
+"""Configuration: `--config FILE.yaml` (any flag of the verb, the command line overriding it), and every file of
+the top-level configs/ folder.
 
-Oracles: the published parameter counts and FFN sizes of LLaMA-2 / LLaMA-3 (Meta's and Hugging Face's model
-cards); transformers' llama3 RoPE frequencies; LLaMA2-Accessory's PEFT files (Alpha-VLLM/LLaMA2-Accessory, accessory/configs/model/finetune/sg/).
+Oracles: the same flags given on the command line (argparse's own parsing); the published parameter counts and FFN
+sizes of LLaMA-2 / LLaMA-3 (Meta's and Hugging Face's model cards); transformers' llama3 RoPE frequencies;
+LLaMA2-Accessory's PEFT files (Alpha-VLLM/LLaMA2-Accessory, accessory/configs/model/finetune/sg/).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from conftest import tokenizer_copy
+from conftest import REPO, tokenizer_copy
 from tiny import TINY_CONFIGS, tiny_state_dict
 
 from accessory.presets import FLAG_SUFFIXES, MODEL_SUFFIXES, presets_folder
@@ -25,9 +30,134 @@ SERVE_PRESETS = sorted((CONFIGS / "serve").glob("*.yaml"))
 
 def arguments(argv) -> argparse.Namespace:
     """`accessory ARGV`'s arguments, as main parses them."""
-    from accessory.cli import build_parser
+    from accessory.cli import build_parser, parse_args
 
-    return build_parser().parse_args([str(a) for a in argv])
+    return parse_args(build_parser(), [str(a) for a in argv])
+
+
+def parse(argv) -> dict:
+    return vars(arguments(argv))
+
+
+def usage_error(argv, capsys) -> str:
+    """The message of the usage error (exit status 2) that `argv` gets."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def assert_matches(pattern: str, text: str) -> None:
+    assert re.search(pattern, text), f"{pattern!r} not in {text!r}"
+
+
+def write_yaml(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def as_argv(values: dict) -> list[str]:
+    """A YAML mapping as command-line flags (true: the flag alone; a list: its items)."""
+    argv = []
+    for key, value in values.items():
+        flag = "--" + key.lstrip("-")
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
+        elif value is not False:
+            argv += [flag, str(value)]
+    return argv
+
+
+# ---- --config ------------------------------------------------------------------------------------------------------
+
+def test_config_sets_flags_as_the_command_line_does(tmp_path):
+    config = write_yaml(tmp_path / "run.yaml", """
+prompt: Hello there
+max_batch_size: 8          # LLaMA2-Accessory's spelling
+--max-gen-len: 24          # with the dashes, vLLM's spelling
+temperature: 0.7
+top-p: 0.5
+quant: int4
+compile: true
+llama_config: [a.json, llama2-7b]
+pretrained_path: /ckpt/one
+""")
+    from_file = parse(["generate", "--config", config])
+    from_flags = parse(["generate", "--prompt", "Hello there", "--max_batch_size", "8", "--max_gen_len", "24",
+                        "--temperature", "0.7", "--top_p", "0.5", "--quant", "int4", "--compile", "--llama_config",
+                        "a.json", "llama2-7b", "--pretrained_path", "/ckpt/one"])
+    assert from_file == {**from_flags, "config": str(config)}
+    assert (from_file["max_batch_size"], from_file["temperature"]) == (8, 0.7)  # typed as the flags are
+
+
+def test_command_line_overrides_the_config(tmp_path):
+    config = write_yaml(tmp_path / "run.yaml", "prompt: from the file\nmax-batch-size: 8\ncompile: true\n")
+    args = parse(["generate", "--max_batch_size", "2", "--config", config, "--prompt", "from the command line"])
+    assert (args["prompt"], args["max_batch_size"], args["compile"]) == ("from the command line", 2, True)
+
+
+def test_config_switches_and_optional_values(tmp_path):
+    config = write_yaml(tmp_path / "run.yaml", "prompt: x\ncompile: false\nquant: true\nchat: true\n")
+    args = parse(["generate", "--config", config])
+    assert (args["compile"], args["quant"], args["chat"]) == (False, "int8", True)  # quant: true is --quant alone
+
+
+def test_config_for_the_demos(tmp_path):
+    sys.path.insert(0, str(REPO / "demos"))
+    import chat_ui
+
+    config = write_yaml(tmp_path / "demo.yaml", "port: 7999\nmax_batch_size: 4\nsystem: Be brief.\n")
+    args = vars(chat_ui.parse_args("demo", ["--config", str(config), "--port", "7001"]))
+    assert (args["port"], args["max_batch_size"], args["system"]) == (7001, 4, "Be brief.")
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("max_batch_sise: 8\n", r"run.yaml: unknown key 'max_batch_sise'; accessory generate takes: .*max_batch_size"),
+    ("max_queue: 8\n", r"run.yaml: 'max_queue' is a flag of accessory serve, not of accessory generate"),
+    ("mp: 2\n", r"run.yaml: 'mp' is a flag of accessory batch, not of accessory generate"),
+    ("max_batch_size: 0\n", r"run.yaml: max_batch_size: must be a positive integer, got 0"),
+    ("max_batch_size: eight\n", r"run.yaml: max_batch_size: must be a positive integer, got eight"),
+    ("max_batch_size: [8]\n", r"run.yaml: max_batch_size: expected one value .*got \[8\]"),
+    ("temperature: warm\n", r"run.yaml: temperature: must be a finite number >= 0, got warm"),
+    ("seed: 1.5\n", r"run.yaml: seed: expected int, got 1.5"),
+    ("dtype: fp64\n", r"run.yaml: dtype: expected one of \['fp32', 'bf16', 'fp16'\], got 'fp64'"),
+    ("compile: yes please\n", r"run.yaml: compile: expected true or false, got 'yes please'"),
+    ("llama_config: []\n", r"run.yaml: llama_config: expected at least one value"),
+    ("max_batch_size: 8\nmax-batch-size: 4\n", r"run.yaml: 'max-batch-size' sets --max_batch_size a second time"),
+    ("config: other.yaml\n", r"run.yaml: 'config': a config file cannot name another one"),
+    ("- max_batch_size: 8\n", r"--config .*run.yaml: expected a mapping of flag names to values .*found a list"),
+    ("max_batch_size: [8\n", r"--config .*run.yaml: not valid YAML"),
+])
+def test_config_errors_name_the_file_the_key_and_the_expectation(text, expected, tmp_path, capsys):
+    config = write_yaml(tmp_path / "run.yaml", text)
+    assert_matches(expected, usage_error(["generate", "--prompt", "x", "--config", config], capsys))
+
+
+def test_config_that_is_neither_a_file_nor_a_preset(capsys):
+    error = usage_error(["serve", "--config", "serve/fastest"], capsys)
+    assert "--config 'serve/fastest' is neither a file nor a preset; presets: default, low-latency, throughput" in error
+
+
+def test_empty_config_sets_nothing(tmp_path):
+    config = write_yaml(tmp_path / "empty.yaml", "# nothing yet\n")
+    assert parse(["serve", "--config", config]) == {**parse(["serve"]), "config": str(config)}
+
+
+# ---- serving presets ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", SERVE_PRESETS, ids=lambda p: p.stem)
+def test_serve_preset_sets_what_its_flags_would(path):
+    values = yaml.safe_load(path.read_text())
+    by_name = parse(["serve", "--config", f"serve/{path.stem}"])
+    assert by_name == {**parse(["serve", *as_argv(values)]), "config": f"serve/{path.stem}"}
+    assert parse(["serve", "--config", path]) == {**by_name, "config": str(path)}
+
+
+def test_default_serve_preset_is_serves_defaults():
+    """configs/serve/default.yaml writes out serve's defaults: it must not drift from them."""
+    assert parse(["serve", "--config", "serve/default"]) == {**parse(["serve"]), "config": "serve/default"}
 
 
 # ---- model presets --------------------------------------------------------------------------------------------------

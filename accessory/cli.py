@@ -104,6 +104,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        "llama3.1-8b, llamaPeft_normBiasLora, ...: docs/configs.md) overriding the folder's "
                        "(default: none)")
     model.add_argument("--tokenizer_path", help="tokenizer.model / tokenizer.json (default: found beside weights)")
+    model.add_argument("--chat-template", metavar="FILE", type=_chat_template_file,
+                       help="a Jinja chat template file (Hugging Face's format) used instead of the model's own, for "
+                       "chats: generate --chat, chat, serve, batch's messages, the demos (default: the model's own)")
     model.add_argument("--max_seq_len", type=positive_int, default=4096)
     model.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: bf16 on CUDA, fp32 on CPU")
     model.add_argument("--device", help="default: cuda if available, else cpu")
@@ -154,10 +157,14 @@ def load_model(args, mp_group=None):
         if dist.is_initialized():
             dist.barrier()
         paths = [ensure_default_model(keep_bits)]
-    return MetaModel.from_pretrained(paths, llama_type=args.llama_type, llama_config=args.llama_config,
-                                     tokenizer_path=args.tokenizer_path, max_seq_len=args.max_seq_len,
-                                     dtype=args.dtype, device=args.device, mp_group=mp_group, quant=args.quant,
-                                     max_batch_size=args.max_batch_size, compile=args.compile)
+    model = MetaModel.from_pretrained(paths, llama_type=args.llama_type, llama_config=args.llama_config,
+                                      tokenizer_path=args.tokenizer_path, max_seq_len=args.max_seq_len,
+                                      dtype=args.dtype, device=args.device, mp_group=mp_group, quant=args.quant,
+                                      max_batch_size=args.max_batch_size, compile=args.compile)
+    if args.chat_template:
+        model.tokenizer.set_chat_template(args.chat_template)
+        model.stop_ids = model.tokenizer.chat_stop_ids  # EOS and the new template's end-of-turn token
+    return model
 
 
 def run_generate(args) -> None:
@@ -514,6 +521,17 @@ def _checked(convert, ok, expected: str):
             raise argparse.ArgumentTypeError(f"must be {expected}, got {value}")
         return x
     return parse
+
+
+def _chat_template_file(path: str) -> str:
+    """--chat-template: a file that reads and compiles as a chat template (checked before any model loads)."""
+    from accessory.model.tokenizer import read_chat_template
+
+    try:
+        read_chat_template(path)
+    except AccessoryError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return path
 
 
 positive_int = _checked(int, lambda n: n > 0, "a positive integer")

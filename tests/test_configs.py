@@ -1,9 +1,10 @@
-"""Configuration: `--config FILE.yaml` (any flag of the verb, the command line overriding it), and every file of
-the top-level configs/ folder.
+"""Configuration: `--config FILE.yaml` (any flag of the verb, the command line overriding it), `--chat-template FILE`,
+and every file of the top-level configs/ folder.
 
 Oracles: the same flags given on the command line (argparse's own parsing); the published parameter counts and FFN
 sizes of LLaMA-2 / LLaMA-3 (Meta's and Hugging Face's model cards); transformers' llama3 RoPE frequencies;
-LLaMA2-Accessory's PEFT files (Alpha-VLLM/LLaMA2-Accessory, accessory/configs/model/finetune/sg/).
+LLaMA2-Accessory's PEFT files (Alpha-VLLM/LLaMA2-Accessory, accessory/configs/model/finetune/sg/); the prompt a
+custom template writes, worked out by hand.
 """
 from __future__ import annotations
 
@@ -284,3 +285,54 @@ def test_peft_preset_builds_its_llama_peft_model(path, tmp_path, llama_tokenizer
         assert (name + ".bias" in tensors) == bias
     with pytest.raises(CheckpointError):
         load_model(arguments(flags))
+
+
+# ---- --chat-template ----------------------------------------------------------------------------------------------
+
+# Ends an assistant turn with "<s>", a control token of the LLaMA tokenizer: it becomes a stop id.
+TEMPLATE = ("{% for m in messages %}### {{ m.role }}: {{ m.content }}{% if m.role == 'assistant' %}<s>{% endif %}"
+            "{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}### assistant:{% endif %}")
+
+
+def test_chat_template_replaces_the_models_own(tiny_checkpoints, tmp_path):
+    from accessory.cli import load_model
+    from accessory.generation.chat import render_chat
+
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Name a colour."}]
+    flags = ["generate", "--prompt", "x", "--pretrained_path", tiny_checkpoints["mha", 1], "--max_seq_len", "64"]
+    plain, custom = load_model(arguments(flags)), load_model(arguments(flags + ["--chat-template", template]))
+    assert render_chat(custom.tokenizer, messages) == (
+        "### system: Be brief.\n### user: Hi\n### assistant: Hello.<s>\n### user: Name a colour.\n### assistant:", [])
+    assert "\n### Human: Hi\n### Assistant: Hello.\n" in render_chat(plain.tokenizer, messages)[0]  # Accessory's
+    assert (plain.stop_ids, custom.stop_ids) == ({2}, {1, 2})  # </s>; and the template's end of turn
+
+
+def test_generate_chat_with_a_chat_template_runs_the_rendered_prompt(tiny_checkpoints, tmp_path, capsys):
+    from accessory.cli import main
+
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    flags = ["--pretrained_path", str(tiny_checkpoints["mha", 1]), "--max_seq_len", "64", "--max_gen_len", "8",
+             "--chat-template", str(template)]
+    main(["generate", "--chat", "--prompt", "Name a colour.", *flags])
+    chatted = capsys.readouterr().out
+    main(["generate", "--prompt", "### user: Name a colour.\n### assistant:", *flags])
+    assert chatted == capsys.readouterr().out and chatted.strip()
+
+
+@pytest.mark.parametrize("text, expected", [
+    (None, r"argument --chat-template/--chat_template: chat template \S*missing.jinja: cannot be read"),
+    ("{% for m in messages %}{{ m.content }}", r"argument --chat-template/--chat_template: \S*bad.jinja: chat "
+                                                r"template is not a valid Jinja template"),
+])
+def test_chat_template_errors_name_the_file(text, expected, tmp_path, capsys):
+    path = tmp_path / ("missing.jinja" if text is None else "bad.jinja")
+    if text is not None:
+        path.write_text(text)
+    assert_matches(expected, usage_error(["chat", "--chat-template", path], capsys))
+    config = write_yaml(tmp_path / "run.yaml", f"chat-template: {path}\n")  # the same check through a config
+    assert_matches(expected.replace("argument --chat-template/--chat_template", "run.yaml: chat-template"),
+                                usage_error(["serve", "--config", config], capsys))

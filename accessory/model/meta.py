@@ -38,8 +38,7 @@ class MetaModel(nn.Module):
         self.llma, self.tokenizer, self.llama_type = llma, tokenizer, llama_type
         self.ctx: ParallelContext = llma.ctx
         # One stop-token set for every call: EOS, and the chat template's end-of-turn token if it has one.
-        stop_ids = set(tokenizer.eos_ids) | (tokenizer.chat_stop_ids if tokenizer.has_chat_template else set())
-        self.engine = Engine(llma, tokenizer, engine_settings, stop_ids)
+        self.engine = Engine(llma, tokenizer, engine_settings, tokenizer.chat_stop_ids)
 
     @classmethod
     def from_pretrained(cls, pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optional[str] = None,

@@ -21,12 +21,14 @@ import signal
 import sys
 import threading
 
+from accessory import __version__
 from accessory.config_file import add_config_arg, parse_args
 from accessory.errors import AccessoryError, FailedInStep
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="accessory", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"accessory {__version__}")
     verbs = parser.add_subparsers(dest="verb", required=True)
 
     gen = verbs.add_parser("generate", help="complete a prompt (run under torchrun for tensor parallelism)")

@@ -72,7 +72,7 @@ def _config_value(parser: argparse.ArgumentParser, argv: list[str]) -> Optional[
     action = parser._option_string_actions.get(FLAG)
     if action is None:
         return None
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre = argparse.ArgumentParser(add_help=False)  # abbreviations as `parser` takes them: --conf is --config
     pre.add_argument(*action.option_strings, dest="config")
     known, _ = pre.parse_known_args(argv)
     return known.config

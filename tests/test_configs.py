@@ -99,6 +99,10 @@ def test_command_line_overrides_the_config(tmp_path):
     assert (args["prompt"], args["max_batch_size"], args["compile"]) == ("from the command line", 2, True)
 
 
+def test_config_abbreviated_as_argparse_allows():
+    assert parse(["serve", "--conf", "serve/throughput"])["max_batch_size"] == 64
+
+
 def test_config_switches_and_optional_values(tmp_path):
     config = write_yaml(tmp_path / "run.yaml", "prompt: x\ncompile: false\nquant: true\nchat: true\n")
     args = parse(["generate", "--config", config])

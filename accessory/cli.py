@@ -21,11 +21,14 @@ import signal
 import sys
 import threading
 
+from accessory import __version__
+from accessory.config_file import add_config_arg, parse_args
 from accessory.errors import AccessoryError, FailedInStep
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="accessory", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"accessory {__version__}")
     verbs = parser.add_subparsers(dest="verb", required=True)
 
     gen = verbs.add_parser("generate", help="complete a prompt (run under torchrun for tensor parallelism)")
@@ -94,12 +97,18 @@ def both_spellings(parser: argparse.ArgumentParser) -> None:
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
+    add_config_arg(parser)
     model = parser.add_argument_group("model")
     model.add_argument("--pretrained_path", nargs="+", help="checkpoint folder(s), later ones overriding earlier "
                        "ones (default: the built-in SmolLM2-135M-Instruct, imported on first use)")
     model.add_argument("--llama_type", help="model type (default: meta.json's, else llama)")
-    model.add_argument("--llama_config", nargs="+", default=[], help="config files overriding the folder's")
+    model.add_argument("--llama_config", nargs="+", default=[], help="config files or presets (llama2-7b, "
+                       "llama3.1-8b, llamaPeft_normBiasLora, ...: docs/configs.md) overriding the folder's "
+                       "(default: none)")
     model.add_argument("--tokenizer_path", help="tokenizer.model / tokenizer.json (default: found beside weights)")
+    model.add_argument("--chat-template", metavar="FILE", type=_chat_template_file,
+                       help="a Jinja chat template file (Hugging Face's format) used instead of the model's own, for "
+                       "chats: generate --chat, chat, serve, batch's messages, the demos (default: the model's own)")
     model.add_argument("--max_seq_len", type=positive_int, default=4096)
     model.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: bf16 on CUDA, fp32 on CPU")
     model.add_argument("--device", help="default: cuda if available, else cpu")
@@ -150,10 +159,14 @@ def load_model(args, mp_group=None):
         if dist.is_initialized():
             dist.barrier()
         paths = [ensure_default_model(keep_bits)]
-    return MetaModel.from_pretrained(paths, llama_type=args.llama_type, llama_config=args.llama_config,
-                                     tokenizer_path=args.tokenizer_path, max_seq_len=args.max_seq_len,
-                                     dtype=args.dtype, device=args.device, mp_group=mp_group, quant=args.quant,
-                                     max_batch_size=args.max_batch_size, compile=args.compile)
+    model = MetaModel.from_pretrained(paths, llama_type=args.llama_type, llama_config=args.llama_config,
+                                      tokenizer_path=args.tokenizer_path, max_seq_len=args.max_seq_len,
+                                      dtype=args.dtype, device=args.device, mp_group=mp_group, quant=args.quant,
+                                      max_batch_size=args.max_batch_size, compile=args.compile)
+    if args.chat_template:
+        model.tokenizer.set_chat_template(args.chat_template)
+        model.stop_ids = model.tokenizer.chat_stop_ids  # EOS and the new template's end-of-turn token
+    return model
 
 
 def run_generate(args) -> None:
@@ -449,7 +462,7 @@ def _byte_size(text: str) -> int:
 
 
 def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     run(args.handler, args)
 
 
@@ -502,11 +515,25 @@ def _setup_logging() -> None:
 def _checked(convert, ok, expected: str):
     """An argparse type: `convert` the text, then refuse values that are not `ok`, saying what was expected."""
     def parse(value: str):
-        x = convert(value)
-        if not ok(x):
+        try:
+            x = convert(value)
+        except ValueError:  # "eight": the same message as for 0
+            x = None
+        if x is None or not ok(x):
             raise argparse.ArgumentTypeError(f"must be {expected}, got {value}")
         return x
     return parse
+
+
+def _chat_template_file(path: str) -> str:
+    """--chat-template: a file that reads and compiles as a chat template (checked before any model loads)."""
+    from accessory.model.tokenizer import read_chat_template
+
+    try:
+        read_chat_template(path)
+    except AccessoryError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return path
 
 
 positive_int = _checked(int, lambda n: n > 0, "a positive integer")

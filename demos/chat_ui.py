@@ -11,7 +11,7 @@ import argparse
 import logging
 from typing import Callable, Iterator
 
-from accessory import cli
+from accessory import cli, config_file
 from accessory.data.conversation import template_names
 from accessory.errors import FailedInStep
 
@@ -42,7 +42,7 @@ def parse_args(description: str, argv=None) -> argparse.Namespace:
     # runs (at 32 x 4096: 5.6 GiB for the built-in 135M model in float32 on one rank), so smaller defaults here.
     parser.set_defaults(max_seq_len=2048, max_batch_size=16)
     cli.both_spellings(parser)
-    return parser.parse_args(argv)
+    return config_file.parse_args(parser, argv)
 
 
 def main(title: str, context: Context, argv=None) -> None:

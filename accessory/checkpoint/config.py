@@ -1,7 +1,8 @@
 """What a checkpoint folder says about its model, read and validated before any weight is touched.
 
 Per folder, in order: `meta.json` (llama_type), Meta's `params.json`, `config.json`; then the explicit
-`llama_config` files. Later files override earlier ones, and later folders override earlier folders.
+`llama_config` files or presets (`llama2-7b`, `llamaPeft_normBiasLora`: accessory/presets.py). Later files override
+earlier ones, and later folders override earlier folders.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Optional, Sequence
 
 from accessory.errors import CheckpointError, ConfigError
 from accessory.jsonfile import read_json_object
+from accessory.presets import MODEL_SUFFIXES, resolve
 from accessory.quant.formats import FORMATS, GROUP
 
 log = logging.getLogger(__name__)
@@ -86,7 +88,7 @@ def read_spec(folders: Sequence[Path], llama_type: Optional[str] = None,
             if "quantization" in meta:
                 quantization = Quantization.from_json(meta["quantization"], str(meta_path))
         config_files += [folder / name for name in CONFIG_FILES if (folder / name).is_file()]
-    config_files += [Path(p) for p in llama_config]
+    config_files += [resolve(p, MODEL_SUFFIXES, "llama_config") for p in llama_config]
 
     llama_type = llama_type or found_type or "llama"
     source = "llama_type argument" if llama_type != found_type else f"{folders[-1] / 'meta.json'}"

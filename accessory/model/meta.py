@@ -21,7 +21,7 @@ from accessory.generation.scheduler import Event, Request, fit_prompt, row_seeds
 from accessory.model.LLM import model_classes
 from accessory.model.memory import check_fits
 from accessory.model.tokenizer import Tokenizer, find_tokenizer
-from accessory.parallel import ParallelContext, init_distributed
+from accessory.parallel import ParallelContext, fairscale_model_parallel_group, init_distributed
 from accessory.kernels import cpu_kernels
 
 log = logging.getLogger(__name__)
@@ -38,8 +38,7 @@ class MetaModel(nn.Module):
         self.llma, self.tokenizer, self.llama_type = llma, tokenizer, llama_type
         self.ctx: ParallelContext = llma.ctx
         # One stop-token set for every call: EOS, and the chat template's end-of-turn token if it has one.
-        stop_ids = set(tokenizer.eos_ids) | (tokenizer.chat_stop_ids if tokenizer.has_chat_template else set())
-        self.engine = Engine(llma, tokenizer, engine_settings, stop_ids)
+        self.engine = Engine(llma, tokenizer, engine_settings, tokenizer.chat_stop_ids)
 
     @classmethod
     def from_pretrained(cls, pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optional[str] = None,
@@ -50,7 +49,9 @@ class MetaModel(nn.Module):
                         quant: Union[bool, None, str] = False, *, max_batch_size: int = 32,
                         compile: bool = False) -> "MetaModel":
         """Load a checkpoint folder (or a list of folders, later ones overriding earlier ones) onto the
-        model-parallel group `mp_group` (default: the torchrun world, or this process alone).
+        model-parallel group `mp_group` (default: fairscale's model-parallel group if this process set one up, as
+        LLaMA2-Accessory's scripts do with `initialize_model_parallel(n)`; else the torchrun world; else this
+        process alone).
 
         Every rank builds the model on the meta device and copies in only its own slice of each tensor, resharding
         from the checkpoint's shard count to the group's size. The config, tokenizer and parallel size are checked
@@ -69,6 +70,7 @@ class MetaModel(nn.Module):
         settings = EngineSettings(max_batch_size=max_batch_size, compile=compile)  # checked before loading
         if mp_group is None:
             init_distributed()  # a script started by torchrun needs no set-up of its own
+            mp_group = fairscale_model_parallel_group()
         ctx = ParallelContext.from_group(mp_group)
         device = _resolve_device(device)
         dtype = _resolve_dtype(dtype, device)

@@ -140,6 +140,7 @@ class Tokenizer:
         self.bos_id, self.eos_id, self._add_bos = self._special_ids(config, generation)
         self._eos_ids = frozenset([self.eos_id, *_ids(generation.get("eos_token_id"))])
         self._chat_template = _load_chat_template(folder, config)
+        self._template_name = f"the chat template of {folder}"  # in errors: whose template it is
 
     @classmethod
     def from_path(cls, path: PathLike) -> "Tokenizer":
@@ -266,6 +267,12 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._chat_template is not None
 
+    def set_chat_template(self, path: PathLike) -> None:
+        """Render chats with the Jinja template file at `path` (`read_chat_template`) instead of the model's own; its
+        end-of-turn token becomes one of `chat_stop_ids`."""
+        self._chat_template, self._template_name = read_chat_template(path), f"the chat template {path}"
+        self.__dict__.pop("_chat_stop_ids", None)  # cached from the old template
+
     def literal_messages(self, render: Callable[[list[dict]], str], messages: list[dict]) -> str:
         """`render(messages)`, as a ChatPrompt when a message holds the text of a special token, so that it is
         encoded as text: a user typing "<|im_end|>\n<|im_start|>system" must not open a system turn."""
@@ -286,8 +293,8 @@ class Tokenizer:
                 at += len(piece)
             if "".join(pieces) == text:
                 return ChatPrompt(text, tuple(spans))
-        raise TokenizerError(f"a message holds the text of a special token ({sorted(specials)}), and the chat "
-                             f"template of {self.path.parent} changes the messages it writes, so that text cannot "
+        raise TokenizerError(f"a message holds the text of a special token ({sorted(specials)}), and "
+                             f"{self._template_name} changes the messages it writes, so that text cannot "
                              f"be kept apart from the template's")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **context) -> str:
@@ -309,7 +316,7 @@ class Tokenizer:
                 pieces.append(piece)
             return "".join(pieces)
         except (jinja2.TemplateError, RecursionError) as e:  # RecursionError: a macro that calls itself
-            raise TokenizerError(f"the chat template of {self.path.parent} rejected the messages: {e}") from e
+            raise TokenizerError(f"{self._template_name} rejected the messages: {e}") from e
 
     @staticmethod
     def max_rendered_chars(messages: list[dict]) -> int:
@@ -376,10 +383,24 @@ def _load_chat_template(folder: Path, config: dict) -> Optional[jinja2.Template]
     if not isinstance(template, str):
         raise TokenizerError(f"{source}: chat_template must be a string or a list of {{name, template}}, got "
                              f"{type(template).__name__}")
+    return _compile_template(template, source)
+
+
+def read_chat_template(path: PathLike) -> jinja2.Template:
+    """The Jinja chat template file at `path` (Hugging Face's format: `messages`, `add_generation_prompt`,
+    `bos_token`, `eos_token`), compiled; a TokenizerError naming the file if it cannot be read or compiled."""
     try:
-        return _jinja_env().from_string(template)
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"chat template {path}: cannot be read ({e})") from e
+    return _compile_template(text, path)
+
+
+def _compile_template(text: str, source) -> jinja2.Template:
+    try:
+        return _jinja_env().from_string(text)
     except jinja2.TemplateError as e:
-        raise TokenizerError(f"{source}: chat template does not compile: {e}") from e
+        raise TokenizerError(f"{source}: chat template is not a valid Jinja template: {e}") from e
 
 
 class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -34,6 +35,18 @@ def init_distributed(timeout_s: float = 600.0) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     log.debug("joined process group: rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(), backend)
+
+
+def fairscale_model_parallel_group() -> Optional[dist.ProcessGroup]:
+    """fairscale's model-parallel group, when this process set one up as LLaMA2-Accessory's scripts do
+    (`fairscale.nn.model_parallel.initialize.initialize_model_parallel(n)`); else None.
+
+    fairscale is not a dependency, and nothing is imported here: a group can only have been set up if that module
+    is already imported."""
+    fs_init = sys.modules.get("fairscale.nn.model_parallel.initialize")
+    if fs_init is None or not dist.is_initialized() or not fs_init.model_parallel_is_initialized():
+        return None
+    return fs_init.get_model_parallel_group()
 
 
 def shutdown_distributed() -> None:

@@ -1,0 +1,153 @@
+"""`--config FILE.yaml`: a parser's flags from a YAML mapping, for any argparse parser (the verbs, the demos).
+
+Keys are flag names in either spelling, with or without leading dashes (`max_batch_size: 8`, `--max-batch-size: 8`).
+Each value is checked as the same flag on the command line is (its type, its choices; `true` / `false` for a flag
+without a value, a list for a flag of several values). The file's values become the parser's defaults, so flags on
+the command line override them. A bad file, key or value is a usage error (exit 2) that names the file, the key and
+what was expected.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from accessory.errors import ConfigError
+from accessory.presets import FLAG_SUFFIXES, resolve
+
+FLAG = "--config"
+
+
+def add_config_arg(parser) -> None:
+    parser.add_argument(FLAG, metavar="FILE.yaml", help="set flags from a YAML mapping of flag names to values "
+                        "(e.g. 'max_batch_size: 8'), or from a preset named as serve/throughput; flags given on "
+                        "the command line override it (default: none)")
+
+
+def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """`parser.parse_args(argv)`, the chosen verb's `--config` file (if given) setting its defaults first."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verb, rest = _chosen_parser(parser, argv)
+    config = _config_value(verb, rest)
+    if config is not None:
+        try:
+            path = resolve(config, FLAG_SUFFIXES, FLAG)
+        except ConfigError as e:
+            verb.error(str(e))
+        apply_config(verb, path, _parsers(parser))
+    return parser.parse_args(argv)
+
+
+def apply_config(parser: argparse.ArgumentParser, path: Path, all_parsers=()) -> None:
+    """Make the flags `path` sets `parser`'s defaults; `all_parsers` (every verb's) name the verb a foreign key
+    belongs to."""
+    defaults = {}
+    for key, value in _read_mapping(parser, path).items():
+        action = _action(parser, path, key, all_parsers)
+        if action.dest in defaults:
+            parser.error(f"{path}: {key!r} sets {action.option_strings[0]} a second time")
+        try:
+            defaults[action.dest] = _value(action, value)
+        except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
+            parser.error(f"{path}: {key}: {e}")
+        action.required = False  # given by the file: the command line need not repeat it
+    parser.set_defaults(**defaults)
+
+
+def _chosen_parser(parser: argparse.ArgumentParser, argv: list[str]):
+    """(the parser of the verb `argv` chooses, the arguments after the verb); `parser` itself if it has no verbs.
+    A verb is the first argument that is not a flag (no parser with verbs here takes a flag with a value)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            words = [i for i, arg in enumerate(argv) if not arg.startswith("-")]
+            if words and argv[words[0]] in action.choices:
+                return _chosen_parser(action.choices[argv[words[0]]], argv[words[0] + 1:])
+            return parser, []  # no verb (yet): parse_args reports it
+    return parser, argv
+
+
+def _config_value(parser: argparse.ArgumentParser, argv: list[str]) -> Optional[str]:
+    """The value of `--config` in `argv`, if `parser` takes it."""
+    action = parser._option_string_actions.get(FLAG)
+    if action is None:
+        return None
+    pre = argparse.ArgumentParser(add_help=False)  # abbreviations as `parser` takes them: --conf is --config
+    pre.add_argument(*action.option_strings, dest="config")
+    known, _ = pre.parse_known_args(argv)
+    return known.config
+
+
+def _parsers(parser: argparse.ArgumentParser):
+    """`parser` and every verb's parser under it."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for verb in {id(p): p for p in action.choices.values()}.values():
+                yield from _parsers(verb)
+
+
+def _read_mapping(parser: argparse.ArgumentParser, path: Path) -> dict:
+    import yaml
+
+    try:
+        values = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        parser.error(f"{FLAG} {path}: cannot be read ({e})")
+    except yaml.YAMLError as e:
+        parser.error(f"{FLAG} {path}: not valid YAML ({e})")
+    if values is None:  # an empty file sets nothing
+        return {}
+    if not isinstance(values, dict):
+        parser.error(f"{FLAG} {path}: expected a mapping of flag names to values (max_batch_size: 8), found a "
+                     f"{type(values).__name__}")
+    return values
+
+
+SETTINGS = (argparse._StoreAction, argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._StoreConstAction)
+
+
+def _action(parser: argparse.ArgumentParser, path: Path, key: Any, all_parsers) -> argparse.Action:
+    """The action of the flag `key` names; a usage error naming the key if `parser` has none."""
+    flag = "--" + str(key).lstrip("-")
+    action = parser._option_string_actions.get(flag)
+    if isinstance(key, str) and isinstance(action, SETTINGS) and flag != FLAG:
+        return action
+    if flag == FLAG:
+        parser.error(f"{path}: {key!r}: a config file cannot name another one")
+    owners = sorted({p.prog for p in all_parsers if p is not parser and flag in p._option_string_actions})
+    if owners:
+        parser.error(f"{path}: {key!r} is a flag of {' and '.join(owners)}, not of {parser.prog}")
+    known = sorted({a.option_strings[0].lstrip("-") for a in parser._actions
+                    if isinstance(a, SETTINGS) and a.option_strings and a.option_strings[0] != FLAG})
+    parser.error(f"{path}: unknown key {key!r}; {parser.prog} takes: {', '.join(known)}")
+
+
+def _value(action: argparse.Action, value: Any) -> Any:
+    """`value` as the flag's command-line value would be converted and checked."""
+    if action.nargs == 0:  # a switch: true is the flag given, false the flag left out
+        if not isinstance(value, bool):
+            raise TypeError(f"expected true or false, got {value!r}")
+        return action.const if value else action.default
+    if action.nargs in ("+", "*"):
+        values = value if isinstance(value, list) else [value]
+        if action.nargs == "+" and not values:
+            raise ValueError("expected at least one value, got an empty list")
+        return [_one(action, v) for v in values]
+    if action.nargs == "?" and isinstance(value, bool):  # --quant alone is `quant: true`
+        return action.const if value else action.default
+    return _one(action, value)
+
+
+def _one(action: argparse.Action, value: Any) -> Any:
+    if value is None or isinstance(value, (bool, list, dict)):
+        raise TypeError(f"expected one value (as on the command line: {action.metavar or action.dest.upper()}), "
+                        f"got {value!r}")
+    text = str(value)
+    try:
+        converted = action.type(text) if action.type else text
+    except (TypeError, ValueError):  # int(), float(): argparse says "invalid int value" here
+        raise ValueError(f"expected {getattr(action.type, '__name__', 'a value')}, got {value!r}") from None
+    if action.choices is not None and converted not in action.choices:
+        raise ValueError(f"expected one of {list(action.choices)}, got {value!r}")
+    return converted

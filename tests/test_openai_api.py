@@ -1,17 +1,21 @@
 """The rest of the OpenAI API on a live `accessory serve` (the default model at 3 ranks), through the official
 `openai` client: log-probs against the model's own logits in this process, n samples, the penalties, logit_bias and
 min_p, content-part arrays, developer and tool roles, continuing an assistant message, structured output validated
-with jsonschema, /tokenize and /detokenize, system_fingerprint; and every other field refused by name."""
+with jsonschema, /tokenize and /detokenize, system_fingerprint; and every other field refused by name. Operating it:
+/health while loading, /metrics counting exactly the requests made, X-Request-Id and the per-request log line, SSE
+keep-alive comments while a request waits."""
 from __future__ import annotations
 
 import concurrent.futures
 import json
 import math
+import re
 
 import httpx
 import jsonschema
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from test_serve import KEY, MODEL, QUESTION, Server, chat, streamed_text
 
@@ -26,7 +30,7 @@ PERSON = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_checkpoint):
-    server = Server(tmp_path_factory.mktemp("openai"))
+    server = Server(tmp_path_factory.mktemp("openai"), "--sse-keepalive", "0.3")
     try:
         server.wait_ready()
         yield server
@@ -242,3 +246,65 @@ def test_tokenize_detokenize_and_fingerprint(server, oracle):
     assert post(server, "/detokenize", {"tokens": [10 ** 9]}).status_code == 400
     first, second = chat(server.client(), max_tokens=2), chat(server.client(), max_tokens=2)
     assert first.system_fingerprint.startswith("fp_") and first.system_fingerprint == second.system_fingerprint
+
+
+# ---- operating it ---------------------------------------------------------------------------------------------------
+
+def test_health_says_loading_until_the_model_is_ready(server):
+    assert (503, "loading") in server.statuses and server.statuses[-1] == (200, "ok")
+
+
+def scrape(server) -> dict:
+    """{(sample name, labels): value} of /metrics (which needs no API key)."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_count_exactly_the_requests_made(server):
+    client = server.client()
+    before = scrape(server)
+    answers = [chat(client, max_tokens=5), chat(client, max_tokens=3, n=2, temperature=1.0, seed=1),
+               client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)]
+    streamed = list(chat(client, max_tokens=6, stream=True, stream_options={"include_usage": True}))
+    usages = [a.usage for a in answers] + [streamed[-1].usage]
+    after = scrape(server)
+
+    def moved(name, labels=()):
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    finished = sum(moved("accessory_requests_total", (("finish_reason", r),)) for r in ("stop", "length"))
+    assert finished == 4
+    assert moved("accessory_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert moved("accessory_generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert moved(f"accessory_{histogram}_count") == 4, histogram
+    assert moved("accessory_inter_token_latency_seconds_count") == sum(u.completion_tokens for u in usages) - 4
+    assert after[("accessory_num_requests_running", ())] == 0 == after[("accessory_kv_cache_usage_perc", ())]
+
+
+def test_request_id_comes_back_and_names_the_log_line(server):
+    answer = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": QUESTION,
+                                                                    "max_tokens": 3, "user": "alice"},
+                        headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "trace-42"}, timeout=60)
+    assert answer.headers["x-request-id"] == "trace-42"
+    usage = answer.json()["usage"]
+    line = next(line for line in server.read_log().splitlines() if "request trace-42:" in line)
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \[accessory rank 0\] INFO ", line), line
+    assert f"{usage['prompt_tokens']} prompt + {usage['completion_tokens']} output tokens" in line
+    assert "first token" in line and "user 'alice'" in line
+    made = httpx.get(f"{server.url}/health").headers["x-request-id"]
+    assert re.fullmatch("[0-9a-f]{16}", made)
+
+
+def test_a_waiting_stream_gets_keep_alive_comments(server):
+    client = server.client()
+    long = dict(messages=[{"role": "user", "content": "Tell me a long story."}], max_tokens=60)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # they fill the batch's 8 rows
+        busy = [pool.submit(chat, client, **long) for _ in range(8)]
+        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=120,
+                          headers={"Authorization": f"Bearer {KEY}"}) as response:
+            lines = [line for line in response.iter_lines() if line]
+        assert all(future.result().choices for future in busy)
+    assert ": keep-alive" in lines and lines[-1] == "data: [DONE]"

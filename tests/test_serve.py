@@ -38,14 +38,17 @@ class Server:
 
     def wait_ready(self, timeout: float = 300) -> None:
         deadline = time.time() + timeout
+        self.statuses = []  # what /health said meanwhile
         while time.time() < deadline:
             assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.read_log()}"
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                answer = httpx.get(f"{self.url}/health", timeout=2)
+                self.statuses.append((answer.status_code, answer.json().get("status")))
+                if answer.status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(1)
+            time.sleep(0.25)
         raise AssertionError(f"server not ready after {timeout} s:\n{self.read_log()}")
 
     def read_log(self) -> str:
@@ -248,6 +251,10 @@ def test_sigterm_finishes_the_running_request_and_every_rank_exits_0(server):
         assert len(workers) == 3
         for pid in workers:  # as torchrun does when it is told to stop
             os.kill(pid, signal.SIGTERM)
+        draining = httpx.get(f"{server.url}/health", timeout=10)  # a load balancer stops sending requests here
+        assert draining.status_code == 503 and draining.json()["status"] == "draining", draining.text
+        refused = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+        assert refused.status_code == 503
         rest = [line for line in lines if line.startswith("data:")]
     assert rest[-1] == "data: [DONE]"
     text = "".join(json.loads(line[5:])["choices"][0]["delta"].get("content", "")

@@ -112,6 +112,7 @@ class Request:
     finish_reason: Optional[str] = None
     shown: str = ""  # the text callers have been sent
     logprobs: list[TokenLogprob] = field(default_factory=list, repr=False)  # not yet sent
+    admitted_at: Optional[float] = None  # time.monotonic() when it joined the batch
 
     @property
     def plain_greedy(self) -> bool:
@@ -198,6 +199,7 @@ class Scheduler:
             self._finish(request, "cancelled", events)
 
     def _start(self, request: Request) -> None:
+        request.admitted_at = time.monotonic()
         request.text = RowText(self.tokenizer, request.stop_strings)
         request.generator = torch.Generator(device=self.device).manual_seed(request.seed)
         if request.params.penalized:

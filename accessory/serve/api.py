@@ -7,15 +7,18 @@ missing or wrong API key, 404 for an unknown model, 429 when the queue is full, 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import json
+import re
+import secrets
 import time
 from typing import Annotated, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
@@ -28,6 +31,7 @@ from accessory.generation.scheduler import Event
 from accessory.serve.engine import GenerationService, Handle, QueueFull, ServiceClosed
 
 DISCONNECT_POLL_S = 1.0  # how often a request with no new text checks whether its client is still there
+SSE_KEEPALIVE_S = 10.0  # a stream with nothing to say for this long sends a comment (proxies cut idle streams)
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
 
@@ -139,26 +143,49 @@ class DetokenizeRequest(Strict):
     tokens: list[int]
 
 
-def create_app(service: GenerationService, model_name: str, api_key: Optional[str] = None,
+class ServiceSlot:
+    """Where the app finds its service: empty while the model loads (every endpoint but /health then says 503)."""
+
+    def __init__(self, service: Optional[GenerationService] = None):
+        self.service = service
+
+    def get(self) -> GenerationService:
+        if self.service is None:
+            raise APIError(503, "the model is still loading; try again shortly", kind="server_error",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        return self.service
+
+
+def create_app(service: Union[GenerationService, ServiceSlot, None], model_name: str, api_key: Optional[str] = None,
                template: Optional[str] = None, max_request_bytes: int = 8_000_000,
-               special_tokens_in_prompt: bool = False) -> FastAPI:
-    """The app for `service`. `template`: a LLaMA2-Accessory conversation template for chat (default: the
-    model's own chat template). A body over `max_request_bytes` is refused with 413 before it is read whole.
-    Special tokens' text in messages is always plain text; in a completion's prompt too, unless
-    `special_tokens_in_prompt`."""
+               special_tokens_in_prompt: bool = False, keepalive_s: float = SSE_KEEPALIVE_S) -> FastAPI:
+    """The app for `service` (or the ServiceSlot it will be put in once loaded). `template`: a LLaMA2-Accessory
+    conversation template for chat (default: the model's own chat template). A body over `max_request_bytes` is
+    refused with 413 before it is read whole. Special tokens' text in messages is always plain text; in a
+    completion's prompt too, unless `special_tokens_in_prompt`. A stream silent for `keepalive_s` seconds sends an
+    SSE comment. /health and /metrics need no API key."""
     app = FastAPI(title="accessory", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=max_request_bytes)
-    tokenizer = service.model.tokenizer
-    fingerprint = system_fingerprint(service, model_name)
+    slot = service if isinstance(service, ServiceSlot) else ServiceSlot(service)
+    app.state.keepalive_s = keepalive_s
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
-        if api_key and request.url.path != "/health":
+        if api_key and request.url.path not in OPEN_PATHS:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return error_response(APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                                code="invalid_api_key"))
         return await call_next(request)
+
+    @app.middleware("http")
+    async def request_id(request: Request, call_next):
+        """The client's X-Request-Id (else one made here) names the request in the log and comes back."""
+        given = request.headers.get("x-request-id", "")
+        request.state.id = given if REQUEST_ID.fullmatch(given) else secrets.token_hex(8)
+        response = await call_next(request)
+        response.headers["X-Request-Id"] = request.state.id
+        return response
 
     @app.exception_handler(APIError)
     async def on_api_error(request, error: APIError):
@@ -178,20 +205,32 @@ def create_app(service: GenerationService, model_name: str, api_key: Optional[st
 
     @app.get("/health")
     async def health():
-        healthy, report = service.health()
+        if slot.service is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        healthy, report = slot.service.health()
         return report if healthy else JSONResponse(report, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        found = slot.get().metrics
+        if found is None:
+            raise APIError(404, "this server keeps no metrics", kind="not_found_error")
+        return Response(generate_latest(found.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card(model_name, service)]}
+        return {"object": "list", "data": [model_card(model_name, slot.get())]}
 
     @app.get("/v1/models/{name}")
     async def model(name: str):
         check_model(name, model_name)
-        return model_card(model_name, service)
+        return model_card(model_name, slot.get())
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        service = slot.get()
         options = check_common(body, model_name, service.rows)
         if body.suffix:
             raise APIError(400, "suffix: inserting text (fill-in-the-middle) is not supported", param="suffix")
@@ -209,14 +248,17 @@ def create_app(service: GenerationService, model_name: str, api_key: Optional[st
         def make(loop):
             tokens = service.encode(prompt, special_tokens_in_prompt) if isinstance(prompt, str) else prompt
             check_token_ids(tokens, service.vocab_size, "prompt")
-            return service.submit_tokens(tokens, sampling, stops(body), loop, **options)
+            return service.submit_tokens(tokens, sampling, stops(body), loop, **options, **labels(request, body))
 
         handle = await submit(make, body)
+        tokenizer = service.model.tokenizer
         echoed = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) if body.echo else ""
-        return await respond(Completion(tokenizer, echoed), body, handle, request, model_name, fingerprint)
+        return await respond(Completion(tokenizer, echoed), body, handle, request,
+                             head(model_name, service, handle, request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
+        service = slot.get()
         options = check_common(body, model_name, service.rows)
         messages = [plain_message(m, f"messages.{i}") for i, m in enumerate(body.messages)]
         tools = chat_tools(body)
@@ -226,11 +268,15 @@ def create_app(service: GenerationService, model_name: str, api_key: Optional[st
             raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
         sampling = sampling_of(body, limit, (top or 0) if body.logprobs else None)
         handle = await submit(lambda loop: service.submit_chat(messages, sampling, template, stops(body), loop,
-                                                               tools=tools, **options), body)
-        return await respond(Chat(tokenizer), body, handle, request, model_name, fingerprint)
+                                                               tools=tools, **options, **labels(request, body)),
+                              body)
+        return await respond(Chat(service.model.tokenizer), body, handle, request,
+                             head(model_name, service, handle, request))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
+        service = slot.get()
+        tokenizer = service.model.tokenizer
         if body.model is not None:
             check_model(body.model, model_name)
         if (body.prompt is None) == (body.messages is None):
@@ -246,10 +292,11 @@ def create_app(service: GenerationService, model_name: str, api_key: Optional[st
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
+        service = slot.get()
         if body.model is not None:
             check_model(body.model, model_name)
         check_token_ids(body.tokens, service.vocab_size, "tokens")
-        return {"prompt": tokenizer.decode(body.tokens)}
+        return {"prompt": service.model.tokenizer.decode(body.tokens)}
 
     async def submit(make, body: SamplingFields) -> Handle:
         """`make(loop)` queues the request, in a worker thread (templates and tokenizing take time: the event loop
@@ -258,6 +305,21 @@ def create_app(service: GenerationService, model_name: str, api_key: Optional[st
         return await submit_free(lambda: make(loop), constraint_field(body))
 
     return app
+
+
+OPEN_PATHS = ("/health", "/metrics")  # no API key needed: probes and scrapers
+REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # a client's X-Request-Id: printable ASCII, bounded
+
+
+def labels(request: Request, body: SamplingFields) -> dict:
+    """How the request is named in its log line."""
+    return {"label": request.state.id, "user": body.user}
+
+
+def head(model_name: str, service: GenerationService, handle: Handle, request: Request) -> dict:
+    """The fields every answer and chunk of a request starts with."""
+    return {"id": handle.id, "created": int(time.time()), "model": model_name,
+            "system_fingerprint": system_fingerprint(service, model_name)}
 
 
 async def submit_free(work, constraint_field: Optional[str] = None):
@@ -293,6 +355,7 @@ def model_card(name: str, service: GenerationService) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "accessory", "max_model_len": service.columns}
 
 
+@functools.lru_cache(maxsize=8)
 def system_fingerprint(service: GenerationService, model_name: str) -> str:
     """Names what produced an answer (this version, the model's configuration and its parallel layout), so a
     client can tell when outputs for the same seed may differ."""
@@ -518,19 +581,20 @@ class Completion(Chat):
                 "text_offset": offsets}
 
 
-async def respond(shape: Chat, body: SamplingFields, handle: Handle, request: Request, model_name: str,
-                  fingerprint: str):
-    head = {"id": shape.prefix + handle.id, "created": int(time.time()), "model": model_name,
-            "system_fingerprint": fingerprint}
+async def respond(shape: Chat, body: SamplingFields, handle: Handle, request: Request, head: dict):
+    keepalive_s = request.app.state.keepalive_s
+    head = {**head, "id": shape.prefix + head["id"]}
     wants_logprobs = body.logprobs is not None and body.logprobs is not False  # completions' 0 asks for them
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(stream(shape, head, handle, request, include_usage, wants_logprobs),
+        return StreamingResponse(stream(shape, head, handle, request, include_usage, wants_logprobs, keepalive_s),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     finals: dict[int, Event] = {}
     logprobs: dict[int, list] = {i: [] for i in range(len(handle.ids))}
     try:
-        async for event in watched(handle, request):
+        async for event in watched(handle, request, keepalive_s):
+            if event is None:
+                continue
             logprobs[handle.index(event)] += event.logprobs
             if event.end_of_content:
                 finals[handle.index(event)] = event
@@ -547,7 +611,7 @@ async def respond(shape: Chat, body: SamplingFields, handle: Handle, request: Re
 
 
 async def stream(shape: Chat, head: dict, handle: Handle, request: Request, include_usage: bool,
-                 wants_logprobs: bool):
+                 wants_logprobs: bool, keepalive_s: float):
     def sse(choices: list, **extra) -> str:
         return f"data: {json.dumps({**head, 'object': shape.chunk_object, 'choices': choices, **extra})}\n\n"
 
@@ -555,7 +619,10 @@ async def stream(shape: Chat, head: dict, handle: Handle, request: Request, incl
     try:
         for opening in filter(None, map(shape.opening, range(len(handle.ids)))):
             yield sse([opening])
-        async for event in watched(handle, request):
+        async for event in watched(handle, request, keepalive_s):
+            if event is None:
+                yield ": keep-alive\n\n"  # an SSE comment: clients skip it
+                continue
             index = handle.index(event)
             if event.delta or event.logprobs:
                 yield sse([shape.chunk_choice(index, event.delta, None,
@@ -574,15 +641,21 @@ async def stream(shape: Chat, head: dict, handle: Handle, request: Request, incl
         handle.cancel()  # the client disconnected (or the stream ended: then a no-op)
 
 
-async def watched(handle: Handle, request: Request):
-    """The handle's events, ending early if the client disconnects while no text is coming."""
+async def watched(handle: Handle, request: Request, keepalive_s: float):
+    """The handle's events, ending early if the client disconnects while no text is coming; None after each
+    `keepalive_s` without one (a queued request, a long prefill)."""
+    quiet_since = time.monotonic()
     while not handle.finished:
         try:
-            event = await asyncio.wait_for(handle.next_event(), DISCONNECT_POLL_S)
+            event = await asyncio.wait_for(handle.next_event(), min(DISCONNECT_POLL_S, keepalive_s))
         except asyncio.TimeoutError:
             if await request.is_disconnected():
                 return
+            if time.monotonic() - quiet_since >= keepalive_s:
+                quiet_since = time.monotonic()
+                yield None
             continue
+        quiet_since = time.monotonic()
         yield event
 
 

@@ -16,6 +16,7 @@ import queue
 import secrets
 import signal
 import threading
+import time
 from typing import Callable, Optional, Sequence
 
 from accessory.generation import constraints
@@ -24,6 +25,7 @@ from accessory.generation.constraints import Constraint
 from accessory.generation.sampling import SamplingParams
 from accessory.generation.scheduler import Event, Request, row_seeds
 from accessory.parallel.watchdog import active_watchdog
+from accessory.serve.metrics import Timing
 
 log = logging.getLogger(__name__)
 SAMPLING_KEYS = ("max_gen_len", "temperature", "top_p", "top_k", "repetition_penalty", "min_p", "presence_penalty",
@@ -89,8 +91,10 @@ class Handle:
 
 
 class GenerationService:
-    def __init__(self, model, max_queue: int = 64, heartbeat_s: float = 2.0, grace_s: float = 30.0):
-        """`model`: a MetaModel; its engine's max_batch_size rows decode together, over the whole max_seq_len."""
+    def __init__(self, model, max_queue: int = 64, heartbeat_s: float = 2.0, grace_s: float = 30.0,
+                 metrics: bool = False):
+        """`model`: a MetaModel; its engine's max_batch_size rows decode together, over the whole max_seq_len.
+        `metrics`: keep Prometheus metrics (`self.metrics`, on the source rank) and log a line per request."""
         self.model, self.engine, self.ctx = model, model.engine, model.ctx
         self.max_queue, self.grace_s = max_queue, grace_s
         self.rows, self.columns = self.engine.settings.max_batch_size, self.engine.max_seq_len
@@ -104,6 +108,12 @@ class GenerationService:
         self.watchdog = active_watchdog()
         if self.watchdog is not None and self.ctx.is_source:
             self.watchdog.failure_hooks.append(self._fail_all)
+        self.metrics = self._timings = None
+        if metrics and self.ctx.is_source:
+            from accessory.serve.metrics import Metrics
+
+            self.metrics = Metrics(lambda: self.running, lambda: self.waiting, self.cache_usage)
+            self._timings = {}  # handle id -> Timing
 
     # ---- the source rank, any thread ---------------------------------------------------------------------------
 
@@ -134,9 +144,11 @@ class GenerationService:
 
     def submit_tokens(self, tokens: list[int], sampling: Optional[dict] = None, stop: Sequence[str] = (),
                       loop: Optional[asyncio.AbstractEventLoop] = None, n: int = 1,
-                      constraint: Optional[Constraint] = None) -> Handle:
+                      constraint: Optional[Constraint] = None, label: Optional[str] = None,
+                      user: Optional[str] = None) -> Handle:
         """Queue `n` samples of a completion of `tokens` (sample i's seed is `row_seeds(seed, n)[i]`, so the
-        first is what n=1 gives), each held to `constraint` if one is given."""
+        first is what n=1 gives), each held to `constraint` if one is given. `label` (default: the request's id)
+        and `user` name it in its log line."""
         if not self.ctx.is_source:
             raise RuntimeError("requests are submitted on the model-parallel source rank only")
         sampling = dict(sampling or {})
@@ -167,8 +179,12 @@ class GenerationService:
                                 f"{self.max_queue} may wait: try again later")
             handle = Handle(f"{next(self._ids)}-{secrets.token_hex(6)}", n, len(tokens), self.scheduler.cancel, loop)
             self._handles.update(dict.fromkeys(handle.ids, handle))
-        for sample_id, seed, matcher in zip(handle.ids, seeds, matchers):
-            self.scheduler.add(Request(sample_id, tokens, params, seed, [s for s in stop if s], matcher))
+            rows = [Request(sample_id, tokens, params, seed, [s for s in stop if s], matcher)
+                    for sample_id, seed, matcher in zip(handle.ids, seeds, matchers)]
+            if self.metrics is not None:
+                self._timings[handle.id] = Timing(label or handle.id, len(tokens), rows, user)
+        for row in rows:
+            self.scheduler.add(row)
         return handle
 
     def _matcher(self, constraint: Optional[Constraint]):
@@ -220,15 +236,17 @@ class GenerationService:
                 handle.deliver(Event(sample_id, "", "", True, "error", 0, reason))
 
     def health(self) -> tuple[bool, dict]:
-        """(healthy, what /health says): not while a rank is silent for STALL_S or has been lost."""
-        report = {"status": "ok" if self.accepting else "shutting_down", "running": self.running,
-                  "waiting": self.waiting}
+        """(healthy, what /health says): not while draining for shutdown, nor while a rank is silent for STALL_S
+        or has been lost."""
+        report = {"status": "ok", "running": self.running, "waiting": self.waiting}
         if self.failed:
             return False, {**report, "status": "failed", "error": self.failed}
         silent = self.watchdog.silent_ranks(STALL_S) if self.watchdog is not None else {}
         if silent:
             return False, {**report, "status": "stalled",
                            "silent_ranks": {str(r): round(s, 1) for r, s in sorted(silent.items())}}
+        if not self.accepting:  # a load balancer sends new requests elsewhere while these finish
+            return False, {**report, "status": "draining"}
         return True, report
 
     @property
@@ -264,8 +282,25 @@ class GenerationService:
             handle = self._handles.get(event.id)
             if handle is not None and event.end_of_content:
                 del self._handles[event.id]
+            ended = handle is not None and not any(i in self._handles for i in handle.ids)
         if handle is not None:
             handle.deliver(event)
+            if self.metrics is not None:
+                self._measure(handle, event, ended)
+
+    def _measure(self, handle: Handle, event: Event, ended: bool) -> None:
+        timing, now = self._timings.get(handle.id), time.monotonic()
+        if timing is None:
+            return
+        self.metrics.progress(timing, event.id, event.completion_tokens, now)
+        if ended:
+            del self._timings[handle.id]
+            self.metrics.ended(timing, event.finish_reason, now)
+
+    def cache_usage(self) -> float:
+        """The fraction of the KV cache's positions that the rows in the batch hold."""
+        active = list(self.scheduler.active)  # read from another thread: a copy
+        return sum(len(r.tokens) + len(r.generated) for r in active) / (self.rows * self.columns)
 
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT shut the service down from the source rank. The other ranks ignore them: torchrun

@@ -1,11 +1,14 @@
 """`accessory serve`: every rank drives the batch in its main thread; the source rank also runs the HTTP server
-(uvicorn) in a thread beside it, so the API answers while the model computes."""
+(uvicorn) in a thread beside it, so the API answers while the model computes. The HTTP server starts before the
+model loads: /health says 503 "loading" until it is ready (and "draining" once shutdown begins)."""
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
+
+import torch.distributed as dist
 
 from accessory.errors import FailedInStep
 from accessory.serve.engine import GenerationService
@@ -13,17 +16,29 @@ from accessory.serve.engine import GenerationService
 log = logging.getLogger(__name__)
 
 
-def serve(model, host: str = "127.0.0.1", port: int = 8000, model_name: str = "default",
+def serve(load: Callable[[], object], host: str = "127.0.0.1", port: int = 8000, model_name: str = "default",
           api_key: Optional[str] = None, template: Optional[str] = None, max_queue: int = 64,
-          grace_s: float = 30.0, max_request_bytes: int = 8_000_000, special_tokens_in_prompt: bool = False) -> None:
-    """Serve until SIGTERM or SIGINT (then finish what runs, for up to grace_s, and return on every rank)."""
-    service = GenerationService(model, max_queue=max_queue, grace_s=grace_s)
-    service.install_signal_handlers()
-    server = thread = None
-    if model.ctx.is_source:
-        server, thread = _start_http(service, host, port, model_name, api_key, template,
-                                     dict(max_request_bytes=max_request_bytes,
+          grace_s: float = 30.0, max_request_bytes: int = 8_000_000, special_tokens_in_prompt: bool = False,
+          keepalive_s: float = 10.0) -> None:
+    """Load the model with `load()` (on every rank) and serve it until SIGTERM or SIGINT (then finish what runs,
+    for up to grace_s, and return on every rank)."""
+    from accessory.serve.api import ServiceSlot
+
+    slot, server, thread = ServiceSlot(), None, None
+    if not dist.is_initialized() or dist.get_rank() == 0:  # the source rank of the whole world, which serve uses
+        server, thread = _start_http(slot, host, port, model_name, api_key, template,
+                                     dict(max_request_bytes=max_request_bytes, keepalive_s=keepalive_s,
                                           special_tokens_in_prompt=special_tokens_in_prompt))
+    model = load()
+    service = GenerationService(model, max_queue=max_queue, grace_s=grace_s, metrics=True)
+    service.install_signal_handlers()
+    if server is not None:
+        if server.started:  # it listens until run() ends: while draining, /health says so and new requests get 503
+            slot.service = service
+            log.info("serving %s on http://%s:%d/v1 (model-parallel size %d)", model_name, host, port,
+                     service.ctx.world_size)
+        else:  # the other ranks already wait for plans: end them cleanly, then report
+            service.shutdown()
     try:
         service.run()
     finally:
@@ -35,22 +50,18 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, model_name: str = "d
                            f"above")
 
 
-def _start_http(service: GenerationService, host: str, port: int, model_name: str, api_key: Optional[str],
-                template: Optional[str], limits: dict):
+def _start_http(slot, host: str, port: int, model_name: str, api_key: Optional[str], template: Optional[str],
+                limits: dict):
     import uvicorn
 
     from accessory.serve.api import create_app
 
-    app = create_app(service, model_name, api_key, template, **limits)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="off"))
+    app = create_app(slot, model_name, api_key, template, **limits)
+    # log_config=None: uvicorn's loggers use ours (timestamps, rank); each request has its own line (metrics.py)
+    config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, lifespan="off")
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="http", daemon=True)
     thread.start()
     while not server.started and thread.is_alive():
         time.sleep(0.05)
-    if not server.started:  # the other ranks already wait for plans: end them cleanly, then report
-        service.shutdown()
-    else:
-        service.shutdown_hooks.append(lambda: setattr(server, "should_exit", True))
-        log.info("serving %s on http://%s:%d/v1 (model-parallel size %d)", model_name, host, port,
-                 service.ctx.world_size)
     return server, thread

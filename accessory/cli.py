@@ -143,6 +143,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="rows decoded together; more requests wait for a free row")
     engine.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile "
                         "(CUDA graphs on CUDA): tens of seconds once, faster steps after")
+    engine.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", help="prefill every prompt "
+                        "in full (by default a prompt's start already in the KV cache is reused: a shared system "
+                        "prompt, a chat's earlier turns)")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser):
@@ -181,7 +184,8 @@ def load_model(args, mp_group=None):
     model = MetaModel.from_pretrained(paths, llama_type=args.llama_type, llama_config=args.llama_config,
                                       tokenizer_path=args.tokenizer_path, max_seq_len=args.max_seq_len,
                                       dtype=args.dtype, device=args.device, mp_group=mp_group, quant=args.quant,
-                                      max_batch_size=args.max_batch_size, compile=args.compile)
+                                      max_batch_size=args.max_batch_size, compile=args.compile,
+                                      prefix_cache=args.prefix_cache)
     if args.chat_template:
         model.tokenizer.set_chat_template(args.chat_template)
         model.stop_ids = model.tokenizer.chat_stop_ids  # EOS and the new template's end-of-turn token

@@ -61,8 +61,8 @@ class StepRows:
         self.decode, sizes = self.engine.decode_step, self.sizes
         prefill = self.engine.model.prefill
         self.engine.decode_step = lambda tokens, *rest: (sizes.append(tokens.shape[0]), self.decode(tokens, *rest))[1]
-        self.engine.model.prefill = lambda tokens, rows, positions, segments: (
-            sizes.append(len(segments)), prefill(tokens, rows, positions, segments))[1]
+        self.engine.model.prefill = lambda tokens, segments: (sizes.append(len(segments)),
+                                                              prefill(tokens, segments))[1]
         return sizes
 
     def __exit__(self, *exc) -> None:

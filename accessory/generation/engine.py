@@ -10,7 +10,9 @@ gathered to the source rank alone.
 A row's token at position p lives in KV-cache column p: rows at different positions share one cache, nothing is
 padded, and a row that leaves frees its cache row at once (a live row from the end takes its place). A step decodes
 the kept rows with `Transformer.decode` (static shapes, no host sync; with `compile`, one compiled graph with symbolic
-sizes, and one for a single row) and prefills the joining prompts packed into one sequence.
+sizes, and one for a single row) and prefills the joining prompts packed into one sequence. A joining prompt that
+starts with tokens some cache row already holds (a live row, or a finished one kept for reuse) copies their keys
+and values instead of recomputing them (prefix.py); every rank decides that alike from the plans.
 """
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ from typing import Collection, Iterator, Optional
 import torch
 
 from accessory.errors import ConfigError
+from accessory.generation.prefix import RetainedRows, plan_reuse, waves
 from accessory.generation.scheduler import Event, Plan, Request, Scheduler
-from accessory.model.components import decode_mask
+from accessory.model.components import Segment, decode_mask
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +43,28 @@ class EngineSettings:
 
     `max_batch_size`: rows decoded together; more requests wait for a free row. `compile`: compile the decode
     step with torch.compile (CUDA graphs on CUDA): tens of seconds at the first call, faster steps after.
-    `keep_cache_bytes`: after a run, a KV cache up to this size stays allocated for the next one."""
+    `keep_cache_bytes`: after a run, a KV cache up to this size stays allocated for the next one.
+    `prefix_cache`: a prompt that starts with tokens already in the KV cache reuses them instead of recomputing
+    them. `prefix_cache_bytes`: finished sequences are kept for that in extra cache rows, as many whole rows as fit
+    in this many bytes per rank (at most max_batch_size rows; 0 keeps none, and live rows are still shared)."""
     max_batch_size: int = 32
     compile: bool = False
     keep_cache_bytes: int = 256 << 20
+    prefix_cache: bool = True
+    prefix_cache_bytes: int = 256 << 20
 
     def __post_init__(self):
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {self.max_batch_size!r}")
+        if not isinstance(self.prefix_cache_bytes, int) or self.prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be an integer >= 0, got {self.prefix_cache_bytes!r}")
+
+
+@dataclass
+class PrefillStats:
+    """Prompt tokens since the engine was built: computed by prefill, and reused from the KV cache instead."""
+    prefilled_tokens: int = 0
+    reused_tokens: int = 0
 
 
 class Engine:
@@ -62,6 +79,7 @@ class Engine:
             raise ConfigError("compile=True on the CPU needs a C++ compiler (torch's inductor writes C++): install "
                               "one (g++), or run without --compile")
         self.decode_step = compiled(model.decode, model.device) if settings.compile else model.decode
+        self.stats = PrefillStats()  # the same on every rank
 
     def configured(self, **changes) -> "Engine":
         """An engine for the same model with some settings changed."""
@@ -91,7 +109,7 @@ class Engine:
                 scheduler.add(request)
             scheduler.close()
         row_of = {r.id: i for i, r in enumerate(requests)}
-        for events in self.run(scheduler, rows, columns):
+        for events in self.run(scheduler, rows, columns, keep_finished=len(requests) > rows):
             latest = [replace(e, delta="") for e in latest]
             for event in events:
                 latest[row_of[event.id]] = event
@@ -100,10 +118,12 @@ class Engine:
         if not self.ctx.is_source:
             yield final
 
-    def run(self, scheduler: Optional[Scheduler], rows: int, columns: int) -> Iterator[list[Event]]:
+    def run(self, scheduler: Optional[Scheduler], rows: int, columns: int,
+            keep_finished: bool = True) -> Iterator[list[Event]]:
         """Run steps until the source rank's scheduler is done, on every rank; yield each step's events (on the
-        source rank; nothing elsewhere). The KV cache holds `rows` rows of `columns` positions (rounded up)."""
-        batch = Batch(self, rows, _bucket(columns, self.max_seq_len))
+        source rank; nothing elsewhere). The KV cache holds `rows` rows of `columns` positions (rounded up), and
+        with the prefix cache and `keep_finished` (requests may join later), rows that keep finished sequences."""
+        batch = Batch(self, rows, _bucket(columns, self.max_seq_len), keep_finished)
         logits = None
         try:
             while True:
@@ -152,14 +172,23 @@ class Engine:
 
 
 class Batch:
-    """One run's rows on this rank: the KV cache (allocated here), and each row's next position."""
+    """One run's rows on this rank: the KV cache (allocated here) and what each row holds. Rows 0..n-1 are the live
+    ones; past the batch's rows, `retained` keeps finished sequences for prompts to reuse."""
 
-    def __init__(self, engine: Engine, rows: int, columns: int):
+    def __init__(self, engine: Engine, rows: int, columns: int, keep_finished: bool = True):
         self.engine, self.model, self.rows, self.columns = engine, engine.model, rows, columns
-        self.positions: list[int] = []  # next position of each row = tokens cached so far
+        self.cached: list[list[int]] = []  # the tokens each live row holds in columns 0..len-1 (fed, not sampled)
+        live = max(rows, 2)  # at least 2: torch.compile gives a size of 1 a graph of its own; a cache row is cheap
+        self.retained = RetainedRows(live, self._retained_rows(rows, columns) if keep_finished else 0)
         with torch.inference_mode():
-            # At least 2 rows: torch.compile gives a size of 1 a graph of its own; a cache row is cheap.
-            self.model.setup_caches(max(rows, 2), columns)
+            self.model.setup_caches(live + len(self.retained.tokens), columns)
+
+    def _retained_rows(self, rows: int, columns: int) -> int:
+        """Finished sequences kept: as many rows as fit in prefix_cache_bytes, at most the batch's rows."""
+        settings = self.engine.settings
+        if not settings.prefix_cache:
+            return 0
+        return min(rows, settings.prefix_cache_bytes // self.model.cache_row_nbytes(columns))
 
     @torch.inference_mode()
     def step(self, plan: Plan) -> Optional[torch.Tensor]:
@@ -171,7 +200,7 @@ class Batch:
         if plan.keep:
             local.append(self._decode(plan.tokens))
         if plan.admit:
-            local += self._prefill(plan.admit)
+            local.append(self._prefill(plan.admit))
         if not local:
             return None
         local = local[0] if len(local) == 1 else torch.cat(local)
@@ -179,24 +208,39 @@ class Batch:
         return None if logits is None else logits[:, :self.model.args.vocab_size]
 
     def _compact(self, keep: tuple[int, ...]) -> None:
+        kept = set(keep)
+        self._retain([row for row in range(len(self.cached)) if row not in kept])
         moves = [(dst, src) for dst, src in enumerate(keep) if dst != src]
         if moves:
-            end = max(self.positions[src] for _, src in moves)
+            end = max(len(self.cached[src]) for _, src in moves)
             self.model.move_cache_rows([d for d, _ in moves], [s for _, s in moves], end)
-        self.positions = [self.positions[src] for src in keep]
+        self.cached = [self.cached[src] for src in keep]
+
+    def _retain(self, finished: list[int]) -> None:
+        """Copy finished rows into the retained rows, before compaction overwrites them."""
+        copies = {}  # retained row -> finished row (a later one wins a slot two want)
+        for row in finished:
+            slot = self.retained.keep(self.cached[row])
+            if slot is not None:
+                copies[slot] = row
+        if copies:
+            end = max(len(self.cached[src]) for src in copies.values())
+            self.model.move_cache_rows(list(copies), list(copies.values()), end)
 
     def _decode(self, tokens: tuple[int, ...]) -> torch.Tensor:
         """This rank's logits (len(tokens), local vocab) of one token for each of the first len(tokens) rows."""
         n, device = len(tokens), self.model.device
-        width = _bucket(max(self.positions) + 1, self.columns)
-        padded = self._padded_rows(n)  # rows past n decode junk at position 0; prefill overwrites it before use
+        ends = [len(row) for row in self.cached]  # each row's next position
+        width = _bucket(max(ends) + 1, self.columns)
+        padded = self._padded_rows(n)  # rows past n decode junk at position 0; a prompt's copy or prefill follows
         token_ids = torch.zeros(padded, dtype=torch.long)
         token_ids[:n] = torch.tensor(tokens)
         positions = torch.zeros(padded, dtype=torch.long)
-        positions[:n] = torch.tensor(self.positions)
+        positions[:n] = torch.tensor(ends)
         token_ids, positions = token_ids.to(device), positions.to(device)
         logits = self.engine.decode_step(token_ids, positions, decode_mask(positions, width))
-        self.positions = [p + 1 for p in self.positions]
+        for row, token in zip(self.cached, tokens):
+            row.append(token)
         return logits[:n]
 
     def _padded_rows(self, n: int) -> int:
@@ -205,24 +249,47 @@ class Batch:
             return n
         return min(1 << (n - 1).bit_length(), self.rows)
 
-    def _prefill(self, prompts: tuple[tuple[int, ...], ...]) -> list[torch.Tensor]:
-        """Write each prompt into its new row (after the current ones); this rank's logits of its last token."""
+    def _prefill(self, admit: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+        """Write each prompt into its new row (after the current ones), reusing cached prefixes; this rank's
+        logits (prompts, local vocab) of each prompt's last token."""
+        prompts = [list(p) for p in admit]
         lengths = [len(p) for p in prompts]
         if min(lengths) < 1 or max(lengths) >= self.columns:
             raise ValueError(f"prompt lengths {lengths} must be in 1..{self.columns - 1} (the cache's columns)")
-        first_row, logits = len(self.positions), []
-        for group in _packed_groups(lengths, PREFILL_TOKENS):
-            logits.append(self._prefill_packed([prompts[i] for i in group], [first_row + i for i in group]))
-        self.positions += lengths
-        return logits
+        first = len(self.cached)
+        plans = (plan_reuse(prompts, self.cached, self.retained) if self.engine.settings.prefix_cache
+                 else [None] * len(prompts))
+        self.cached += prompts
+        pasts = [plan.length if plan else 0 for plan in plans]
+        order, logits = [], []
+        for wave in waves(plans):  # a prompt copying from one admitted with it waits for that one's prefill
+            self._copy_prefixes([(first + i, plans[i]) for i in wave if plans[i] is not None])
+            for group in _packed_groups([lengths[i] - pasts[i] for i in wave], PREFILL_TOKENS):
+                members = [wave[j] for j in group]
+                logits.append(self._prefill_packed([(prompts[i], first + i, pasts[i]) for i in members]))
+                order += members
+        self.engine.stats.prefilled_tokens += sum(lengths) - sum(pasts)
+        self.engine.stats.reused_tokens += sum(pasts)
+        logits = torch.cat(logits)
+        return logits if order == sorted(order) else logits[torch.tensor(order, device=logits.device).argsort()]
 
-    def _prefill_packed(self, prompts: list[tuple[int, ...]], rows: list[int]) -> torch.Tensor:
-        device = self.model.device
-        tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)
-        row_of_token = torch.tensor([row for row, p in zip(rows, prompts) for _ in p], device=device)
-        positions = torch.tensor([i for p in prompts for i in range(len(p))], device=device)
-        starts = [sum(len(p) for p in prompts[:i]) for i in range(len(prompts))]
-        return self.model.prefill(tokens, row_of_token, positions, list(zip(starts, map(len, prompts))))
+    def _copy_prefixes(self, copies: list) -> None:
+        """Copy each (row, Reuse)'s prefix from its source row."""
+        if copies:
+            self.model.move_cache_rows([row for row, _ in copies], [plan.source for _, plan in copies],
+                                       max(plan.length for _, plan in copies))
+            for _, plan in copies:
+                self.retained.used(plan.source)
+
+    def _prefill_packed(self, parts: list[tuple[list[int], int, int]]) -> torch.Tensor:
+        """Prefill (prompt, row, past) parts packed into one sequence: each prompt's tokens from `past` on."""
+        tokens = torch.tensor([t for prompt, _, past in parts for t in prompt[past:]], dtype=torch.long,
+                              device=self.model.device)
+        segments, start = [], 0
+        for prompt, row, past in parts:
+            segments.append(Segment(start, len(prompt) - past, row, past))
+            start += len(prompt) - past
+        return self.model.prefill(tokens, segments)
 
 
 def compiled(decode, device: torch.device):

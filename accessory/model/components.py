@@ -5,7 +5,7 @@ Model files (model/LLM/<type>.py) only wire these; there is one implementation o
 Attention runs three ways, all on the same weights:
 - `forward`: whole sequences from position 0, nothing cached (scoring);
 - `prefill`: several prompts packed into one sequence, each written into its own KV-cache row, each attending only
-  to itself (no padding is ever computed);
+  to itself and to what its row already holds before it (a reused prefix); no padding is ever computed;
 - `decode`: one new token per cache row, at each row's own position, attending over the first `columns` cache
   columns through a mask. Its shapes depend only on the batch's row count and the column bucket, never on data, and
   it syncs nothing with the host, so the engine can compile it (and capture it as a CUDA graph).
@@ -101,7 +101,8 @@ class KVCache(nn.Module):
         self.v[rows, :, positions] = v
 
     def move_rows(self, dst: list[int], src: list[int], end: int) -> None:
-        """Copy rows `src` to rows `dst` (columns up to `end`): a finished row's place is filled by a live one."""
+        """Copy rows `src` to rows `dst` (columns up to `end`): a finished row's place is filled by a live one, a
+        finished row is kept for reuse, a prompt takes a cached prefix."""
         if dst:
             dst_index, src_index = torch.tensor(dst), torch.tensor(src)
             self.k[dst_index, :, :end] = self.k[src_index, :, :end]
@@ -110,6 +111,24 @@ class KVCache(nn.Module):
     @property
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One prompt in a packed prefill: tokens[start:start + length] go to KV-cache row `row`, columns past..past +
+    length - 1, and attend to that row's columns 0..past - 1 too (a prefix already in the cache, not recomputed)."""
+    start: int
+    length: int
+    row: int
+    past: int = 0
+
+
+def prefill_mask(past: int, length: int, device: torch.device):
+    """None for a prompt from column 0 (plain causal attention); else (length, past + length) bool: new token i
+    sees columns 0..past + i. (SDPA's is_causal aligns to the top left, which is wrong once past > 0.)"""
+    if past == 0:
+        return None
+    return torch.arange(past + length, device=device) <= torch.arange(past, past + length, device=device)[:, None]
 
 
 @dataclass(frozen=True)
@@ -163,14 +182,19 @@ class Attention(nn.Module):
         return self._out(F.scaled_dot_product_attention(q, k, v, is_causal=x.shape[1] > 1, enable_gqa=True))
 
     def prefill(self, x: torch.Tensor, rotations: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-                segments: list[tuple[int, int]]) -> torch.Tensor:
-        """Packed prompts x (1, T, dim): token t goes to cache row rows[t], column positions[t]; segment
-        (start, length) is one prompt, causal within itself."""
+                segments: list[Segment]) -> torch.Tensor:
+        """Packed prompts x (1, T, dim): token t goes to cache row rows[t], column positions[t]; each segment is
+        one prompt, causal within itself and seeing its row's cached columns before it."""
         q, k, v = self._qkv(x, rotations)  # (1, T, H, D)
         self.cache.write(rows, positions, k[0], v[0])
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (1, H, T, D)
-        attended = [F.scaled_dot_product_attention(q[:, :, s:s + n], k[:, :, s:s + n], v[:, :, s:s + n],
-                                                   is_causal=True, enable_gqa=True) for s, n in segments]
+        q = q.transpose(1, 2)  # (1, H, T, D)
+        attended = []
+        for seg in segments:  # keys and values from the cache: the prefix's and the segment's own, just written
+            end = seg.past + seg.length
+            keys, values = self.cache.k[seg.row:seg.row + 1, :, :end], self.cache.v[seg.row:seg.row + 1, :, :end]
+            mask = prefill_mask(seg.past, seg.length, x.device)
+            attended.append(F.scaled_dot_product_attention(q[:, :, seg.start:seg.start + seg.length], keys, values,
+                                                           attn_mask=mask, is_causal=mask is None, enable_gqa=True))
         return self._out(torch.cat(attended, dim=2))
 
     def decode(self, x: torch.Tensor, rotations: torch.Tensor, positions: torch.Tensor,

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from accessory.errors import ConfigError
-from accessory.model.components import (PLAIN, Attention, FeedForward, KVCache, Linears, RMSNorm, rope_frequencies,
-                                        rope_table)
+from accessory.model.components import (PLAIN, Attention, FeedForward, KVCache, Linears, RMSNorm, Segment,
+                                        rope_frequencies, rope_table)
 from accessory.parallel import ColumnParallelLinear, ParallelContext, ParallelEmbedding
 from accessory.quant.weight import QuantizedWeight
 
@@ -330,6 +330,11 @@ class Transformer(nn.Module):
     def cache_nbytes(self) -> int:
         return sum(layer.attention.cache.nbytes for layer in self.layers if layer.attention.cache is not None)
 
+    def cache_row_nbytes(self, columns: int) -> int:
+        """Bytes one KV-cache row of `columns` positions takes on this rank (every layer's keys and values)."""
+        attn = self.layers[0].attention
+        return 2 * self.args.n_layers * attn.n_local_kv_heads * attn.head_dim * columns * self.dtype.itemsize
+
     def move_cache_rows(self, dst: list[int], src: list[int], end: int) -> None:
         for layer in self.layers:
             layer.attention.cache.move_rows(dst, src, end)
@@ -346,16 +351,19 @@ class Transformer(nn.Module):
             h = layer(h, rotations)
         return self.output(self.norm(h)).float()
 
-    def prefill(self, tokens: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-                segments: list[tuple[int, int]]) -> torch.Tensor:
-        """Prompts packed into tokens (T,): token t is written to cache row rows[t] at position positions[t];
-        each (start, length) segment is one prompt. This rank's logits (segments, local vocab) at each segment's
-        last token."""
+    def prefill(self, tokens: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """Prompts packed into tokens (T,), one per segment: each is written to its cache row from column
+        `past` on, attending to that row's first `past` columns too. This rank's logits (segments, local vocab) at
+        each segment's last token."""
+        device = tokens.device
+        rows = torch.tensor([seg.row for seg in segments for _ in range(seg.length)], device=device)
+        positions = torch.tensor([p for seg in segments for p in range(seg.past, seg.past + seg.length)],
+                                 device=device)
         h = self.tok_embeddings(tokens[None], self.dtype)  # (1, T, dim)
         rotations = self.rotations[positions][None]
         for layer in self.layers:
             h = layer.prefill(h, rotations, rows, positions, segments)
-        last = torch.tensor([start + length - 1 for start, length in segments], device=tokens.device)
+        last = torch.tensor([seg.start + seg.length - 1 for seg in segments], device=device)
         return self.output.project(self.norm(h[0, last])).float()
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -281,6 +281,9 @@ def test_metrics_count_exactly_the_requests_made(server):
         assert moved(f"accessory_{histogram}_count") == 4, histogram
     assert moved("accessory_inter_token_latency_seconds_count") == sum(u.completion_tokens for u in usages) - 4
     assert after[("accessory_num_requests_running", ())] == 0 == after[("accessory_kv_cache_usage_perc", ())]
+    computed, reused = moved("accessory_prefill_computed_tokens_total"), moved("accessory_prefix_cache_hit_tokens_total")
+    assert computed + reused == sum(u.prompt_tokens for u in usages) + usages[1].prompt_tokens  # n=2: two rows
+    assert reused > 0  # the same chat prompt, asked again
 
 
 def test_request_id_comes_back_and_names_the_log_line(server):

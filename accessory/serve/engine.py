@@ -112,7 +112,7 @@ class GenerationService:
         if metrics and self.ctx.is_source:
             from accessory.serve.metrics import Metrics
 
-            self.metrics = Metrics(lambda: self.running, lambda: self.waiting, self.cache_usage)
+            self.metrics = Metrics(lambda: self.running, lambda: self.waiting, self.cache_usage, self.engine.stats)
             self._timings = {}  # handle id -> Timing
 
     # ---- the source rank, any thread ---------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Counted on the source rank as requests end (names as vLLM's, under `accessory_`): requests by finish reason, prompt
 and generated tokens; histograms of time to first token, time between tokens, end-to-end latency and time waiting
-for a row; gauges of running and waiting requests and of the KV cache's use, read when scraped.
+for a row. Read when scraped: gauges of running and waiting requests and of the KV cache's use, and the engine's
+counts of prompt tokens computed and copied from the prefix cache.
 """
 from __future__ import annotations
 
@@ -40,8 +41,11 @@ class Timing:
 
 
 class Metrics:
-    def __init__(self, running: Callable[[], int], waiting: Callable[[], int], cache_usage: Callable[[], float]):
+    def __init__(self, running: Callable[[], int], waiting: Callable[[], int], cache_usage: Callable[[], float],
+                 prefill_stats):
+        """`prefill_stats`: the engine's PrefillStats, read when scraped."""
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # the serve extra
+        from prometheus_client.core import CounterMetricFamily
 
         self.registry = CollectorRegistry()
         counter = lambda name, doc, *labels: Counter(name, doc, labels, registry=self.registry)  # noqa: E731
@@ -65,6 +69,17 @@ class Metrics:
                 ("accessory_kv_cache_usage_perc", "Fraction of the KV cache's positions that running rows hold",
                  cache_usage)):
             Gauge(name, doc, registry=self.registry).set_function(read)
+
+        class PrefillCounters:  # the engine counts these itself; a scrape reads them
+            def collect(self):
+                for name, doc, value in (
+                        ("accessory_prefill_computed_tokens", "Prompt tokens computed by prefill",
+                         prefill_stats.prefilled_tokens),
+                        ("accessory_prefix_cache_hit_tokens", "Prompt tokens copied from the KV cache instead "
+                         "(prefix caching)", prefill_stats.reused_tokens)):
+                    yield CounterMetricFamily(name, doc, value=value)
+
+        self.registry.register(PrefillCounters())
 
     def progress(self, timing: Timing, sample_id, generated: int, now: float) -> None:
         """Sample `sample_id` has generated `generated` tokens by `now` (an event may bring several)."""

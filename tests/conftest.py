@@ -67,6 +67,26 @@ def smollm2_checkpoint() -> Path:
     return ensure_default_model()
 
 
+@pytest.fixture(scope="session")
+def _servers():
+    started = []
+    yield started
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def server(_servers, tmp_path_factory, smollm2_checkpoint):
+    """`accessory serve` on the built-in model at 3 ranks (tests/serving.py), shared by test_openai_api.py and
+    test_serve.py (it takes a while to start), and started again if a test ended it."""
+    from serving import Server
+
+    if not _servers or _servers[-1].proc.poll() is not None:
+        _servers.append(Server(tmp_path_factory.mktemp("serve"), "--sse-keepalive", "0.3"))
+        _servers[-1].wait_ready()
+    return _servers[-1]
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _limit_threads():
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -201,13 +201,13 @@ GOOD = '{"id": "ok", "prompt": "hello"}'
     ('{"id": "x", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}',
      ':2: record \'x\' has both "prompt" and "messages"; expected exactly one'),
     ('{"id": "x", "prompt": ["hi"]}', ':2: "prompt" of record \'x\' must be a string, got a JSON array'),
-    ('{"id": "x", "messages": [{"role": "assistant", "content": "hi"}]}',
+    ('{"id": "x", "messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "hi"}]}',
      ":2: \"messages\" of record 'x': the last message must be the user's"),
     ('{"id": "x", "messages": [{"role": "robot", "content": "hi"}]}', "messages[0] must be {'role': one of"),
     ('{"id": "x", "prompt": "hi", "max_tokens": 3}', ":2: unknown key(s) ['max_tokens']"),
     ('{"id": "ok", "prompt": "again"}', ":2: duplicate id 'ok' (first on line 1)"),
 ], ids=["not-json", "array", "no-id", "float-id", "bool-id", "neither", "both", "prompt-not-string",
-        "messages-end-with-assistant", "unknown-role", "unknown-key", "duplicate-id"])
+        "messages-end-with-system", "unknown-role", "unknown-key", "duplicate-id"])
 def test_bad_line_is_named(tmp_path, line, message):
     from accessory.batch import BatchInputError, read_records
 

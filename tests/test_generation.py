@@ -169,7 +169,7 @@ def test_empty_prompt_list_and_bad_messages_are_refused(model):
     with pytest.raises(ValueError, match="list of prompts"):
         model.generate("a string, not a list")
     with pytest.raises(ValueError, match="last message"):
-        model.chat([{"role": "assistant", "content": "hi"}])
+        model.chat([{"role": "user", "content": "hi"}, {"role": "developer", "content": "hi"}])
 
 
 # ---- long inputs and the KV cache ------------------------------------------------------------------------------

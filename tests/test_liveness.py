@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from distributed import free_port
-from test_serve import KEY, MODEL, QUESTION, Server, rank_of
+from serving import KEY, MODEL, QUESTION, Server, rank_of
 
 TIMEOUT_S = 6
 

@@ -1,5 +1,5 @@
-"""`accessory serve` as users run it: the default model at 3 ranks under torchrun, driven by the official `openai`
-client. Chat and completions, streamed and not; stop strings; seeds; the API key; bad input answered with errors
+"""`accessory serve` as users run it: the default model at 3 ranks under torchrun (the conftest's shared `server`),
+driven by the official `openai` client. Chat and completions, streamed and not; stop strings; seeds; the API key; bad input answered with errors
 while the server keeps serving; a client that disconnects mid-stream; 8 concurrent streams each equal to the same
 request alone; and SIGTERM, after which every rank exits 0."""
 from __future__ import annotations
@@ -8,108 +8,13 @@ import concurrent.futures
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 
-from distributed import free_port
-
-KEY = "test-key-123"
-MODEL = "SmolLM2-135M-Instruct"
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-class Server:
-    def __init__(self, tmp_path, *extra_args: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp_path / "serve.log"
-        self.log = open(self.log_path, "w")
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", "--rdzv-backend=c10d",
-                   f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "accessory", "serve", "--port", str(self.port),
-                   "--api-key", KEY, "--max_seq_len", "512", "--max_batch_size", "8", "--shutdown-grace", "60",
-                   *extra_args]
-        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env=dict(os.environ, OMP_NUM_THREADS="1"))
-
-    def wait_ready(self, timeout: float = 300) -> None:
-        deadline = time.time() + timeout
-        self.statuses = []  # what /health said meanwhile
-        while time.time() < deadline:
-            assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.read_log()}"
-            try:
-                answer = httpx.get(f"{self.url}/health", timeout=2)
-                self.statuses.append((answer.status_code, answer.json().get("status")))
-                if answer.status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise AssertionError(f"server not ready after {timeout} s:\n{self.read_log()}")
-
-    def read_log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def health(self) -> dict:
-        return httpx.get(f"{self.url}/health", timeout=10).json()
-
-    def client(self, key: str = KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=180)
-
-    def workers(self) -> list[int]:
-        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
-        return [int(pid) for pid in out.split()]
-
-    def worker_of_rank(self, rank: int) -> int:
-        return next(pid for pid in self.workers() if rank_of(pid) == rank)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            for pid in self.workers():  # torchrun starts each worker in a session of its own
-                os.kill(pid, signal.SIGKILL)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.log.close()
-
-
-def rank_of(pid: int) -> int:
-    """The RANK torchrun gave a worker process."""
-    environ = dict(item.split("=", 1) for item in open(f"/proc/{pid}/environ").read().split("\0") if "=" in item)
-    return int(environ["RANK"])
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, smollm2_checkpoint):
-    server = Server(tmp_path_factory.mktemp("serve"))
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
-
-
-def chat(client, messages=QUESTION, **options):
-    options.setdefault("temperature", 0)
-    return client.chat.completions.create(model=MODEL, messages=messages, **options)
-
-
-def streamed_text(stream, chat_chunks: bool = True) -> tuple[str, list[str], str]:
-    """(joined text, the pieces, finish_reason) of a stream."""
-    pieces, finish = [], None
-    for chunk in stream:
-        if not chunk.choices:
-            continue
-        choice = chunk.choices[0]
-        piece = (choice.delta.content if chat_chunks else choice.text) or ""
-        if piece:
-            pieces.append(piece)
-        finish = choice.finish_reason or finish
-    return "".join(pieces), pieces, finish
-
+from serving import KEY, MODEL, QUESTION, chat, streamed_text
 
 # ---- the four ways to ask ----------------------------------------------------------------------------------------
 
@@ -228,10 +133,10 @@ def test_eight_concurrent_streams_each_get_their_own_text(server):
     client = server.client()
     topics = ["France", "Italy", "Japan", "Egypt", "Canada", "Brazil", "Kenya", "Norway"]
     asks = [[{"role": "user", "content": f"Tell me one fact about {topic}."}] for topic in topics]
-    alone = [chat(client, messages, max_tokens=24).choices[0].message.content for messages in asks]
+    alone = [chat(client, messages, max_tokens=12).choices[0].message.content for messages in asks]
 
     def stream(messages):
-        return streamed_text(chat(client, messages, max_tokens=24, stream=True))[0]
+        return streamed_text(chat(client, messages, max_tokens=12, stream=True))[0]
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         together = list(pool.map(stream, asks))

@@ -1,0 +1,96 @@
+"""A live `accessory serve` for the tests: the built-in model at 3 ranks under torchrun, and the helpers that ask it
+(the conftest's `server` fixture starts one and shares it)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+
+from distributed import free_port
+
+KEY = "test-key-123"
+MODEL = "SmolLM2-135M-Instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+class Server:
+    def __init__(self, tmp_path, *extra_args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp_path / "serve.log"
+        self.log = open(self.log_path, "w")
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", "--rdzv-backend=c10d",
+                   f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "accessory", "serve", "--port", str(self.port),
+                   "--api-key", KEY, "--max_seq_len", "512", "--max_batch_size", "8", "--shutdown-grace", "60",
+                   *extra_args]
+        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.time() + timeout
+        self.statuses = []  # what /health said meanwhile
+        while time.time() < deadline:
+            assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.read_log()}"
+            try:
+                answer = httpx.get(f"{self.url}/health", timeout=2)
+                self.statuses.append((answer.status_code, answer.json().get("status")))
+                if answer.status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise AssertionError(f"server not ready after {timeout} s:\n{self.read_log()}")
+
+    def read_log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=10).json()
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=180)
+
+    def workers(self) -> list[int]:
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
+        return [int(pid) for pid in out.split()]
+
+    def worker_of_rank(self, rank: int) -> int:
+        return next(pid for pid in self.workers() if rank_of(pid) == rank)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            for pid in self.workers():  # torchrun starts each worker in a session of its own
+                os.kill(pid, signal.SIGKILL)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+
+
+def rank_of(pid: int) -> int:
+    """The RANK torchrun gave a worker process."""
+    environ = dict(item.split("=", 1) for item in open(f"/proc/{pid}/environ").read().split("\0") if "=" in item)
+    return int(environ["RANK"])
+
+
+def chat(client, messages=QUESTION, **options):
+    options.setdefault("temperature", 0)
+    return client.chat.completions.create(model=MODEL, messages=messages, **options)
+
+
+def streamed_text(stream, chat_chunks: bool = True) -> tuple[str, list[str], str]:
+    """(joined text, the pieces, finish_reason) of a stream."""
+    pieces, finish = [], None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        piece = (choice.delta.content if chat_chunks else choice.text) or ""
+        if piece:
+            pieces.append(piece)
+        finish = choice.finish_reason or finish
+    return "".join(pieces), pieces, finish

@@ -141,9 +141,9 @@ def test_content_parts_developer_role_and_continuing_the_assistant(server):
     system = [{"role": "system", "content": "Answer in French."}, *QUESTION]
     assert chat(client, developer, max_tokens=8).choices[0].message.content == \
         chat(client, system, max_tokens=8).choices[0].message.content
-    whole = chat(client, max_tokens=16).choices[0].message.content
+    whole = chat(client, max_tokens=10).choices[0].message.content
     start = whole[:len(whole) // 2].rstrip()
-    rest = chat(client, [*QUESTION, {"role": "assistant", "content": start}], max_tokens=16).choices[0]
+    rest = chat(client, [*QUESTION, {"role": "assistant", "content": start}], max_tokens=10).choices[0]
     assert (start + rest.message.content).startswith(whole[:len(whole) * 3 // 4])
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
     refused = post(server, "/v1/chat/completions", {"model": MODEL, "messages": image})
@@ -211,6 +211,47 @@ def test_fields_that_cannot_work_are_refused_by_name(server, body, param):
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert param is None or error["param"] == param, error
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_the_model_does(server, oracle):
+    client, prompt = server.client(), "The capital of France is"
+    ask = dict(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    choice = client.completions.create(**ask).choices[0]
+    logprobs = choice.logprobs
+    assert choice.text.startswith(prompt + " Paris") and "".join(logprobs.tokens) == choice.text
+    ids = post(server, "/tokenize", {"prompt": prompt}).json()["tokens"]
+    expected = torch.log_softmax(oracle.compute_logits([ids], bos=False)[0], dim=-1)
+    shown = len(ids) - (ids[0] == oracle.tokenizer.bos_id)  # a BOS the text does not hold is not shown
+    first = len(ids) - shown  # the position of the first token shown
+    for k in range(shown):
+        position = first + k
+        if position == 0:
+            assert logprobs.token_logprobs[k] is None and logprobs.top_logprobs[k] is None
+            continue
+        assert math.isclose(logprobs.token_logprobs[k], expected[position - 1, ids[position]].item(), abs_tol=2e-3)
+        assert sorted(logprobs.top_logprobs[k].values(), reverse=True) == pytest.approx(
+            expected[position - 1].topk(2).values.tolist(), abs=2e-3)
+    assert logprobs.text_offset[shown] == len(prompt)  # the completion's first token starts after the prompt
+    tokens, values, text = [], [], ""
+    for chunk in client.completions.create(**ask, stream=True):
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs:
+                tokens += c.logprobs.tokens
+                values += c.logprobs.token_logprobs
+    assert text == choice.text and tokens == logprobs.tokens
+    assert values == pytest.approx(logprobs.token_logprobs, abs=1e-6)
+
+
+def test_several_prompts_in_one_completion_request(server):
+    client, prompts = server.client(), ["The capital of France is", "One, two, three,"]
+    answer = client.completions.create(model=MODEL, prompt=prompts, max_tokens=4, temperature=0, n=2, echo=True)
+    texts = [c.text for c in sorted(answer.choices, key=lambda c: c.index)]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0).choices[0].text
+             for p in prompts]
+    assert texts == [prompts[0] + alone[0]] * 2 + [prompts[1] + alone[1]] * 2
+    lengths = [len(post(server, "/tokenize", {"prompt": p}).json()["tokens"]) for p in prompts]
+    assert answer.usage.prompt_tokens == sum(lengths)
 
 
 def test_completion_fields(server):

@@ -133,10 +133,10 @@ def test_eight_concurrent_streams_each_get_their_own_text(server):
     client = server.client()
     topics = ["France", "Italy", "Japan", "Egypt", "Canada", "Brazil", "Kenya", "Norway"]
     asks = [[{"role": "user", "content": f"Tell me one fact about {topic}."}] for topic in topics]
-    alone = [chat(client, messages, max_tokens=12).choices[0].message.content for messages in asks]
+    alone = [chat(client, messages, max_tokens=8).choices[0].message.content for messages in asks]
 
     def stream(messages):
-        return streamed_text(chat(client, messages, max_tokens=12, stream=True))[0]
+        return streamed_text(chat(client, messages, max_tokens=8, stream=True))[0]
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         together = list(pool.map(stream, asks))

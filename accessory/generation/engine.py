@@ -132,7 +132,9 @@ class Engine:
                     yield events
                 if plan.done:
                     return
-                logits = batch.step(plan)
+                logits, scored = batch.step(plan)
+                if scored:
+                    scheduler.receive_prompt_logits(scored)
         finally:
             if self.model.cache_nbytes > self.settings.keep_cache_bytes:
                 self.model.free_caches()
@@ -165,10 +167,11 @@ class Engine:
             if error is not None:
                 raise error
             raise RuntimeError(f"model-parallel source rank failed: {message}")
-        keep, admit = tuple(range(kept)), ()
+        keep, admit, score = tuple(range(kept)), (), ()
         if moves:
-            keep, admit = self.ctx.broadcast_object((plan.keep, plan.admit) if self.ctx.is_source else None)
-        return Plan(keep, tuple(values[HEADER:HEADER + kept]), admit, status == DONE)
+            keep, admit, score = self.ctx.broadcast_object((plan.keep, plan.admit, plan.score)
+                                                           if self.ctx.is_source else None)
+        return Plan(keep, tuple(values[HEADER:HEADER + kept]), admit, status == DONE, score)
 
 
 class Batch:
@@ -191,8 +194,10 @@ class Batch:
         return min(rows, settings.prefix_cache_bytes // self.model.cache_row_nbytes(columns))
 
     @torch.inference_mode()
-    def step(self, plan: Plan) -> Optional[torch.Tensor]:
-        """Run `plan`: logits (rows after the step, vocab) on the source rank, None elsewhere or if no rows run."""
+    def step(self, plan: Plan) -> tuple[Optional[torch.Tensor], list[torch.Tensor]]:
+        """Run `plan`: logits (rows after the step, vocab) on the source rank, None elsewhere or if no rows run;
+        and the logits (length, vocab) of each prompt the plan scores, on the source rank (else [])."""
+        scored = [self._score(tokens) for tokens in plan.score]
         self._compact(plan.keep)
         if len(plan.keep) + len(plan.admit) > self.rows:
             raise RuntimeError(f"plan has {len(plan.keep) + len(plan.admit)} rows; the batch holds {self.rows}")
@@ -201,11 +206,18 @@ class Batch:
             local.append(self._decode(plan.tokens))
         if plan.admit:
             local.append(self._prefill(plan.admit))
+        scored = scored if self.engine.ctx.is_source else []
         if not local:
-            return None
+            return None, scored
         local = local[0] if len(local) == 1 else torch.cat(local)
         logits = self.engine.ctx.gather_to_source(local)  # (rows, vocab padded to the ranks)
-        return None if logits is None else logits[:, :self.model.args.vocab_size]
+        return (None if logits is None else logits[:, :self.model.args.vocab_size]), scored
+
+    def _score(self, tokens: tuple[int, ...]) -> torch.Tensor:
+        """The logits of every position of `tokens`, on every rank (a forward pass of its own, nothing cached:
+        reused prefixes have no logits)."""
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
+        return self.model.forward(ids)[0, :, :self.model.args.vocab_size]
 
     def _compact(self, keep: tuple[int, ...]) -> None:
         kept = set(keep)

@@ -39,6 +39,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted once per time a token is in the output
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     logprobs: Optional[int] = None  # None: no log-probs; k: the chosen token's and the k most likely ones
+    prompt_logprobs: Optional[int] = None  # as logprobs, for each prompt token after the first (OpenAI's echo)
 
     def __post_init__(self):
         low, high = REPETITION_PENALTY_RANGE
@@ -59,9 +60,9 @@ class SamplingParams:
             "logit_bias": (self.logit_bias, all(_integer(t) and t >= 0 and _within(b, LOGIT_BIAS_RANGE)
                                                 for t, b in self.logit_bias),
                            f"pairs of a token id >= 0 and a bias in {list(LOGIT_BIAS_RANGE)}"),
-            "logprobs": (self.logprobs, self.logprobs is None or (_integer(self.logprobs)
-                                                                  and 0 <= self.logprobs <= MAX_LOGPROBS),
-                         f"None or an integer in [0, {MAX_LOGPROBS}]"),
+            "logprobs": (self.logprobs, _top_count(self.logprobs), f"None or an integer in [0, {MAX_LOGPROBS}]"),
+            "prompt_logprobs": (self.prompt_logprobs, _top_count(self.prompt_logprobs),
+                                f"None or an integer in [0, {MAX_LOGPROBS}]"),
         }
         for name, (value, ok, expected) in checks.items():
             if not ok:
@@ -83,6 +84,10 @@ def _integer(value) -> bool:
 
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _top_count(value) -> bool:
+    return value is None or (_integer(value) and 0 <= value <= MAX_LOGPROBS)
 
 
 def _within(value, bounds: tuple[float, float]) -> bool:

@@ -37,6 +37,7 @@ class Event:
     completion_tokens: int = 0
     error: Optional[str] = None  # what went wrong, when finish_reason is "error"
     logprobs: tuple["TokenLogprob", ...] = ()  # of the tokens sampled since the last event (if asked for)
+    prompt_logprobs: Optional[tuple["TokenLogprob", ...]] = None  # once, if asked for: each prompt token's
 
     def __getitem__(self, key: str):
         return getattr(self, key)
@@ -44,10 +45,11 @@ class Event:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A sampled token's log-probability under the model (its raw logits: before penalties, temperature or a
-    constraint), and the `top` most likely tokens' (token, log-probability), most likely first."""
+    """A token's log-probability under the model (its raw logits: before penalties, temperature or a constraint),
+    and the `top` most likely tokens' (token, log-probability), most likely first. A prompt's first token has no
+    context: its logprob is None."""
     token: int
-    logprob: float
+    logprob: Optional[float]
     top: tuple[tuple[int, float], ...] = ()
 
 
@@ -55,16 +57,19 @@ class TokenLogprob:
 class Plan:
     """One step, as the source rank decided it: `keep[j]` is the current row that becomes row j (rows not named
     have finished), `tokens[j]` its next input token; `admit` are the prompts (token ids) of rows that join after
-    them. `done`: nothing is left, the run ends."""
+    them; `score`: prompts whose logits at every position the source rank wants (prompt log-probabilities).
+    `done`: nothing is left, the run ends."""
     keep: tuple[int, ...] = ()
     tokens: tuple[int, ...] = ()
     admit: tuple[tuple[int, ...], ...] = ()
     done: bool = False
+    score: tuple[tuple[int, ...], ...] = ()
 
     @property
     def moves(self) -> bool:
-        """Whether rows change places or join (else the kept rows are simply the first len(keep))."""
-        return bool(self.admit) or self.keep != tuple(range(len(self.keep)))
+        """Whether rows change places or join, or prompts are scored (else the kept rows are simply the first
+        len(keep), and nothing more is sent)."""
+        return bool(self.admit) or bool(self.score) or self.keep != tuple(range(len(self.keep)))
 
 
 SEED_RANGE = (-2 ** 63, 2 ** 64)  # what a torch.Generator takes
@@ -113,6 +118,7 @@ class Request:
     shown: str = ""  # the text callers have been sent
     logprobs: list[TokenLogprob] = field(default_factory=list, repr=False)  # not yet sent
     admitted_at: Optional[float] = None  # time.monotonic() when it joined the batch
+    prompt_logprobs: Optional[tuple] = None  # computed, not yet sent
 
     @property
     def plain_greedy(self) -> bool:
@@ -134,6 +140,7 @@ class Scheduler:
         self.inbox: queue.Queue = queue.Queue()  # ("add", request) or ("cancel", id), from any thread
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []  # in batch-row order
+        self.scoring: list[Request] = []  # requests whose prompt logits the step being run computes
         self.closed = False
 
     # ---- from any thread ------------------------------------------------------------------------------------------
@@ -169,9 +176,16 @@ class Scheduler:
                 self._fail(request, error, events)
         self.active += admitted
         done = self.closed and not self.active and not self.waiting
+        self.scoring = [r for r in admitted if r.params.prompt_logprobs is not None]
         plan = Plan(tuple(keep), tuple(r.generated[-1] for r in self.active[:len(keep)]),
-                    tuple(tuple(r.tokens) for r in admitted), done)
+                    tuple(tuple(r.tokens) for r in admitted), done, tuple(tuple(r.tokens) for r in self.scoring))
         return plan, events
+
+    def receive_prompt_logits(self, scored: list[torch.Tensor]) -> None:
+        """The logits (prompt length, vocab) of the prompts the last plan scored, in its order; their log-probs go
+        out with each request's next event."""
+        for request, logits in zip(self.scoring, scored):
+            request.prompt_logprobs = prompt_logprobs(logits, request.tokens, request.params.prompt_logprobs)
 
     def _read_inbox(self, events: list, wait: bool) -> None:
         deadline = time.monotonic() + (self.idle_wait_s if wait else 0.0)
@@ -273,8 +287,19 @@ class Scheduler:
         if text == request.shown and not ended:
             return
         events.append(Event(request.id, text, text[len(request.shown):], ended, request.finish_reason,
-                            len(request.generated), logprobs=tuple(request.logprobs)))
-        request.shown, request.logprobs = text, []
+                            len(request.generated), logprobs=tuple(request.logprobs),
+                            prompt_logprobs=request.prompt_logprobs))
+        request.shown, request.logprobs, request.prompt_logprobs = text, [], None
+
+
+def prompt_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> tuple[TokenLogprob, ...]:
+    """Each prompt token's log-probability given those before it (the first's is None: it has no context)."""
+    logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens[1:], device=logprobs.device)[:, None])[:, 0].tolist()
+    best = logprobs.topk(top, dim=-1) if top else None
+    entries = [TokenLogprob(token, value, tuple(zip(best.indices[i].tolist(), best.values[i].tolist())) if best
+                            is not None else ()) for i, (token, value) in enumerate(zip(tokens[1:], chosen))]
+    return (TokenLogprob(tokens[0], None), *entries)
 
 
 def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:

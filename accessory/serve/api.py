@@ -14,7 +14,7 @@ import json
 import re
 import secrets
 import time
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Sequence, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -237,23 +237,22 @@ def create_app(service: Union[GenerationService, ServiceSlot, None], model_name:
         if body.best_of not in (None, body.n):
             raise APIError(400, f"best_of: only best_of equal to n ({body.n}) is supported, got {body.best_of}",
                            param="best_of")
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs: the prompt's log-probabilities are not computed by this "
-                                "server (ask for one or the other)", param="echo")
-        prompt = one_prompt(body.prompt)
-        if isinstance(prompt, str):
-            check_text(prompt, "prompt")
+        prompts = prompt_list(body.prompt)
         sampling = sampling_of(body, body.max_tokens, body.logprobs)
+        if body.echo and body.logprobs is not None:  # the prompt's too: its tokens are scored as it joins
+            sampling["prompt_logprobs"] = body.logprobs
 
         def make(loop):
-            tokens = service.encode(prompt, special_tokens_in_prompt) if isinstance(prompt, str) else prompt
-            check_token_ids(tokens, service.vocab_size, "prompt")
-            return service.submit_tokens(tokens, sampling, stops(body), loop, **options, **labels(request, body))
+            token_lists = [service.encode(p, special_tokens_in_prompt) if isinstance(p, str) else p for p in prompts]
+            for i, tokens in enumerate(token_lists):
+                check_token_ids(tokens, service.vocab_size, "prompt" if len(prompts) == 1 else f"prompt.{i}")
+            return service.submit_prompts(token_lists, sampling, stops(body), loop, **options,
+                                          **labels(request, body))
 
         handle = await submit(make, body)
         tokenizer = service.model.tokenizer
-        echoed = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) if body.echo else ""
-        return await respond(Completion(tokenizer, echoed), body, handle, request,
+        echoes = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts] if body.echo else []
+        return await respond(Completion(tokenizer, echoes, body.n), body, handle, request,
                              head(model_name, service, handle, request))
 
     @app.post("/v1/chat/completions")
@@ -418,13 +417,16 @@ def constraint_of(body: SamplingFields) -> Optional[Constraint]:
     return None
 
 
-def one_prompt(prompt) -> Union[str, list[int]]:
-    """The request's prompt: text, or token ids."""
+def prompt_list(prompt) -> list[Union[str, list[int]]]:
+    """The request's prompts, each text or token ids (OpenAI's `prompt` is one, or a list of either)."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        return prompt
-    if len(prompt) != 1:
-        raise APIError(400, f"prompt: one prompt per request is supported, got {len(prompt)}", param="prompt")
-    return prompt[0]
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, "prompt: an empty list", param="prompt")
+    for i, text in enumerate(prompt):
+        if isinstance(text, str):
+            check_text(text, "prompt" if len(prompt) == 1 else f"prompt.{i}")
+    return list(prompt)
 
 
 def check_token_ids(tokens: list[int], vocab_size: int, field: str) -> None:
@@ -523,9 +525,14 @@ class BodyLimit:
 class Chat:
     """How /v1/chat/completions words its answers: whole choices, streamed chunks, and log-probs."""
     prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
-
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+
+    def echoed(self, index: int) -> str:
+        return ""  # chat never repeats the prompt
+
+    def prompt_entries(self, event: Event, index: int) -> list:
+        return []
 
     def choice(self, index: int, text: str, finish: Optional[str], logprobs: Optional[list]) -> dict:
         return {"index": index, "message": {"role": "assistant", "content": text},
@@ -536,7 +543,8 @@ class Chat:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}
 
-    def chunk_choice(self, index: int, delta: str, finish: Optional[str], logprobs: Optional[list]) -> dict:
+    def chunk_choice(self, index: int, delta: str, finish: Optional[str], logprobs: Optional[list],
+                     first: bool = False) -> dict:
         return {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": self.logprobs(logprobs),
                 "finish_reason": finish}
 
@@ -553,31 +561,46 @@ class Chat:
 
 class Completion(Chat):
     """/v1/completions: text choices, and log-probs in the legacy shape (tokens, token_logprobs, top_logprobs,
-    text_offset)."""
+    text_offset). With `echo`, each choice starts with the prompt (and, with logprobs, the prompt's tokens: their
+    log-probs come with the first event)."""
     prefix, object, chunk_object = "cmpl-", "text_completion", "text_completion"
 
-    def __init__(self, tokenizer, echoed: str = ""):
+    def __init__(self, tokenizer, echoes: Sequence[str] = (), n: int = 1):
         super().__init__(tokenizer)
-        self.echoed = echoed
+        self.echoes, self.n = echoes, n
+
+    def echoed(self, index: int) -> str:
+        """What choice `index` repeats of its prompt (choice i * n + j is prompt i's sample j)."""
+        return self.echoes[index // self.n] if self.echoes else ""
 
     def choice(self, index: int, text: str, finish: Optional[str], logprobs: Optional[list]) -> dict:
-        return {"index": index, "text": self.echoed + text, "logprobs": self.logprobs(logprobs),
+        return {"index": index, "text": self.echoed(index) + text, "logprobs": self.logprobs(logprobs),
                 "finish_reason": finish}
 
     def opening(self, index: int) -> Optional[dict]:
-        """The echoed prompt, if asked for, comes first."""
-        return {"index": index, "text": self.echoed, "logprobs": None, "finish_reason": None} if self.echoed else None
+        return None  # the echoed prompt comes with the first event (with its log-probs, when asked for)
 
-    def chunk_choice(self, index: int, delta: str, finish: Optional[str], logprobs: Optional[list]) -> dict:
-        return {"index": index, "text": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+    def chunk_choice(self, index: int, delta: str, finish: Optional[str], logprobs: Optional[list],
+                     first: bool = False) -> dict:
+        return {"index": index, "text": self.echoed(index) + delta if first else delta,
+                "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+
+    def prompt_entries(self, event: Event, index: int) -> list:
+        """The prompt's tokens and log-probs to show before the completion's: without the BOS token the prompt's
+        text does not hold (the first shown then has a log-prob, given BOS)."""
+        entries, bos = list(event.prompt_logprobs or ()), self.tokenizer.bos_id
+        if entries and entries[0].token == bos and not self.echoed(index).startswith(self.tokenizer.token_text(bos)):
+            entries = entries[1:]
+        return entries
 
     def logprobs(self, entries: Optional[list]) -> Optional[dict]:
         if entries is None:
             return None
         texts = [self.tokenizer.token_text(e.token) for e in entries]
-        offsets = [sum(map(len, texts[:i])) for i in range(len(texts))]  # within the completion's text
+        offsets = [sum(map(len, texts[:i])) for i in range(len(texts))]  # within the choice's text
         return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self.tokenizer.token_text(t): lp for t, lp in e.top} for e in entries],
+                "top_logprobs": [{self.tokenizer.token_text(t): lp for t, lp in e.top} if e.logprob is not None
+                                 else None for e in entries],
                 "text_offset": offsets}
 
 
@@ -595,6 +618,8 @@ async def respond(shape: Chat, body: SamplingFields, handle: Handle, request: Re
         async for event in watched(handle, request, keepalive_s):
             if event is None:
                 continue
+            if event.prompt_logprobs is not None:
+                logprobs[handle.index(event)][:0] = shape.prompt_entries(event, handle.index(event))
             logprobs[handle.index(event)] += event.logprobs
             if event.end_of_content:
                 finals[handle.index(event)] = event
@@ -616,6 +641,7 @@ async def stream(shape: Chat, head: dict, handle: Handle, request: Request, incl
         return f"data: {json.dumps({**head, 'object': shape.chunk_object, 'choices': choices, **extra})}\n\n"
 
     finals: list[Event] = []
+    started: set[int] = set()  # choices that have had an event
     try:
         for opening in filter(None, map(shape.opening, range(len(handle.ids)))):
             yield sse([opening])
@@ -624,9 +650,12 @@ async def stream(shape: Chat, head: dict, handle: Handle, request: Request, incl
                 yield ": keep-alive\n\n"  # an SSE comment: clients skip it
                 continue
             index = handle.index(event)
-            if event.delta or event.logprobs:
-                yield sse([shape.chunk_choice(index, event.delta, None,
-                                              list(event.logprobs) if wants_logprobs else None)])
+            first = index not in started
+            started.add(index)
+            if event.delta or event.logprobs or (first and shape.echoed(index)):
+                entries = [*(shape.prompt_entries(event, index) if first else ()), *event.logprobs]
+                yield sse([shape.chunk_choice(index, event.delta, None, entries if wants_logprobs else None,
+                                              first)])
             if event.finish_reason == "error":  # as OpenAI streams an error: an error object, then the end
                 yield f"data: {json.dumps(error_body(generation_failed(event)))}\n\n"
                 yield "data: [DONE]\n\n"

@@ -29,7 +29,7 @@ from accessory.serve.metrics import Timing
 
 log = logging.getLogger(__name__)
 SAMPLING_KEYS = ("max_gen_len", "temperature", "top_p", "top_k", "repetition_penalty", "min_p", "presence_penalty",
-                 "frequency_penalty", "logit_bias", "logprobs")
+                 "frequency_penalty", "logit_bias", "logprobs", "prompt_logprobs")
 STALL_S = 3.0  # a rank silent this long makes /health say 503 (it ends every rank at --rank-timeout)
 
 
@@ -42,17 +42,17 @@ class ServiceClosed(Exception):
 
 
 class Handle:
-    """One submitted request's `Event`s, in order, for each of its `n` samples (`index(event)` says which): each
-    sample's last event has end_of_content True. Iterate it from a thread, or `async for` it from the event loop it
-    was submitted with."""
+    """One submitted request's `Event`s, in order, for each of its `count` completions (`index(event)` says which):
+    each completion's last event has end_of_content True. Iterate it from a thread, or `async for` it from the event
+    loop it was submitted with."""
 
-    def __init__(self, request_id: str, n: int, prompt_tokens: int, cancel: Callable[[str], None],
+    def __init__(self, request_id: str, count: int, prompt_tokens: int, cancel: Callable[[str], None],
                  loop: Optional[asyncio.AbstractEventLoop]):
         self.id, self.prompt_tokens, self._cancel, self._loop = request_id, prompt_tokens, cancel, loop
-        self.ids = [request_id] if n == 1 else [f"{request_id}.{i}" for i in range(n)]
+        self.ids = [request_id] if count == 1 else [f"{request_id}.{i}" for i in range(count)]
         self._index = {sample_id: i for i, sample_id in enumerate(self.ids)}
         self._events = asyncio.Queue() if loop is not None else queue.Queue()
-        self._open = n  # samples not yet ended
+        self._open = count  # completions not yet ended
         self.finished = False
 
     def index(self, event: Event) -> int:
@@ -143,12 +143,18 @@ class GenerationService:
         return self.submit(prompt, sampling, [*template_stops, *stop], loop, **options)
 
     def submit_tokens(self, tokens: list[int], sampling: Optional[dict] = None, stop: Sequence[str] = (),
-                      loop: Optional[asyncio.AbstractEventLoop] = None, n: int = 1,
-                      constraint: Optional[Constraint] = None, label: Optional[str] = None,
-                      user: Optional[str] = None) -> Handle:
-        """Queue `n` samples of a completion of `tokens` (sample i's seed is `row_seeds(seed, n)[i]`, so the
-        first is what n=1 gives), each held to `constraint` if one is given. `label` (default: the request's id)
-        and `user` name it in its log line."""
+                      loop: Optional[asyncio.AbstractEventLoop] = None, **options) -> Handle:
+        """Queue a completion of `tokens`; `options` as `submit_prompts`'."""
+        return self.submit_prompts([tokens], sampling, stop, loop, **options)
+
+    def submit_prompts(self, prompts: list[list[int]], sampling: Optional[dict] = None, stop: Sequence[str] = (),
+                       loop: Optional[asyncio.AbstractEventLoop] = None, n: int = 1,
+                       constraint: Optional[Constraint] = None, label: Optional[str] = None,
+                       user: Optional[str] = None) -> Handle:
+        """Queue `n` samples of a completion of each prompt: the handle's choice i * n + j is prompt i's sample j,
+        whose seed is `row_seeds(seed, n)[j]` (so each is what that prompt alone gives, and sample 0 what n=1
+        gives). Each is held to `constraint` if one is given. `label` (default: the request's id) and `user` name
+        it in its log line."""
         if not self.ctx.is_source:
             raise RuntimeError("requests are submitted on the model-parallel source rank only")
         sampling = dict(sampling or {})
@@ -158,34 +164,44 @@ class GenerationService:
             raise ValueError(f"unknown sampling parameter(s) {sorted(unknown)}; known: {SAMPLING_KEYS} and seed")
         if not isinstance(n, int) or not 1 <= n <= self.rows:
             raise ValueError(f"n must be an integer in [1, {self.rows}] (the server's max_batch_size), got {n!r}")
+        count = len(prompts) * n
+        if not 1 <= count <= self.max_queue:
+            raise ValueError(f"{len(prompts)} prompt(s) x n={n} is {count} completions; at most {self.max_queue} "
+                             f"(the server's max_queue) per request")
         # a seed per sample; checked here, before anything is registered
         seeds = row_seeds(secrets.randbits(62) if seed is None else seed, n)
         sampling["logit_bias"] = self._logit_bias(sampling.get("logit_bias") or {})
-        matchers = [self._matcher(constraint) for _ in range(n)]  # a schema that cannot compile raises here
-        if not tokens:
-            raise ValueError("the prompt is empty")
-        if len(tokens) >= self.columns:
-            raise ValueError(f"the prompt has {len(tokens)} tokens; this model's max_seq_len is {self.columns}")
-        sampling.setdefault("max_gen_len", self.columns - len(tokens))  # the rest of the window
-        params = SamplingParams(**sampling)
-        if len(tokens) + params.max_gen_len > self.columns:
-            raise ValueError(f"the prompt has {len(tokens)} tokens and at most {params.max_gen_len} may be "
-                             f"generated: together more than this model's max_seq_len, {self.columns}")
+        params = [self._params(tokens, sampling, i if len(prompts) > 1 else None) for i, tokens in enumerate(prompts)]
+        matchers = [self._matcher(constraint) for _ in range(count)]  # a schema that cannot compile raises here
         with self._lock:
             if not self.accepting:
                 raise ServiceClosed("the server is shutting down")
-            if self.waiting + n > self.max_queue:
-                raise QueueFull(f"{self.waiting} requests are waiting and this one adds {n}; at most "
+            if self.waiting + count > self.max_queue:
+                raise QueueFull(f"{self.waiting} requests are waiting and this one adds {count}; at most "
                                 f"{self.max_queue} may wait: try again later")
-            handle = Handle(f"{next(self._ids)}-{secrets.token_hex(6)}", n, len(tokens), self.scheduler.cancel, loop)
+            handle = Handle(f"{next(self._ids)}-{secrets.token_hex(6)}", count, sum(map(len, prompts)),
+                            self.scheduler.cancel, loop)
             self._handles.update(dict.fromkeys(handle.ids, handle))
-            rows = [Request(sample_id, tokens, params, seed, [s for s in stop if s], matcher)
-                    for sample_id, seed, matcher in zip(handle.ids, seeds, matchers)]
+            rows = [Request(handle.ids[k], prompts[k // n], params[k // n], seeds[k % n], [s for s in stop if s],
+                            matchers[k]) for k in range(count)]
             if self.metrics is not None:
-                self._timings[handle.id] = Timing(label or handle.id, len(tokens), rows, user)
+                self._timings[handle.id] = Timing(label or handle.id, handle.prompt_tokens, rows, user)
         for row in rows:
             self.scheduler.add(row)
         return handle
+
+    def _params(self, tokens: list[int], sampling: dict, index: Optional[int]) -> SamplingParams:
+        """The prompt's sampling parameters (max_gen_len: by default the rest of the window); it must fit."""
+        which = "the prompt" if index is None else f"prompt {index}"
+        if not tokens:
+            raise ValueError(f"{which} is empty")
+        if len(tokens) >= self.columns:
+            raise ValueError(f"{which} has {len(tokens)} tokens; this model's max_seq_len is {self.columns}")
+        params = SamplingParams(**{"max_gen_len": self.columns - len(tokens), **sampling})
+        if len(tokens) + params.max_gen_len > self.columns:
+            raise ValueError(f"{which} has {len(tokens)} tokens and at most {params.max_gen_len} may be "
+                             f"generated: together more than this model's max_seq_len, {self.columns}")
+        return params
 
     def _matcher(self, constraint: Optional[Constraint]):
         if constraint is None:

@@ -146,6 +146,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", help="prefill every prompt "
                         "in full (by default a prompt's start already in the KV cache is reused: a shared system "
                         "prompt, a chat's earlier turns)")
+    engine.add_argument("--prefix-cache-bytes", type=_byte_size, default=256 << 20, metavar="SIZE",
+                        help="per rank, the KV-cache memory for finished sequences kept for later prompts to reuse, "
+                        "e.g. 1GB (default: 256MiB, at most as many rows as --max_batch_size)")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser):
@@ -185,7 +188,7 @@ def load_model(args, mp_group=None):
                                       tokenizer_path=args.tokenizer_path, max_seq_len=args.max_seq_len,
                                       dtype=args.dtype, device=args.device, mp_group=mp_group, quant=args.quant,
                                       max_batch_size=args.max_batch_size, compile=args.compile,
-                                      prefix_cache=args.prefix_cache)
+                                      prefix_cache=args.prefix_cache, prefix_cache_bytes=args.prefix_cache_bytes)
     if args.chat_template:
         model.tokenizer.set_chat_template(args.chat_template)
         model.stop_ids = model.tokenizer.chat_stop_ids  # EOS and the new template's end-of-turn token

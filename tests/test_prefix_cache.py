@@ -278,3 +278,13 @@ def test_the_real_model_answers_the_same_with_a_shared_system_prompt_and_a_secon
     assert shared > 2 * len(smollm2.tokenizer.encode(system, bos=False, eos=False))
     assert on_stats.reused_tokens >= shared + len(prompts[0])
     assert on_stats.prefilled_tokens + on_stats.reused_tokens == off_stats.prefilled_tokens
+
+
+def test_the_memory_bound_is_a_flag_and_a_loading_argument(tiny_checkpoints):
+    from accessory.cli import build_parser
+    from accessory.model.meta import MetaModel
+
+    args = build_parser().parse_args(["serve", "--prefix-cache-bytes", "1GB", "--no-prefix-cache"])
+    assert args.prefix_cache_bytes == 10 ** 9 and args.prefix_cache is False
+    model = MetaModel.from_pretrained(tiny_checkpoints["mha", 1], max_seq_len=128, prefix_cache_bytes=12345)
+    assert model.engine.settings.prefix_cache_bytes == 12345

@@ -47,7 +47,8 @@ class MetaModel(nn.Module):
                         mp_group: Optional[torch.distributed.ProcessGroup] = None,
                         dtype: Union[None, str, torch.dtype] = None, device: Union[None, str, torch.device] = None,
                         quant: Union[bool, None, str] = False, *, max_batch_size: int = 32,
-                        compile: bool = False, prefix_cache: bool = True) -> "MetaModel":
+                        compile: bool = False, prefix_cache: bool = True,
+                        prefix_cache_bytes: int = EngineSettings.prefix_cache_bytes) -> "MetaModel":
         """Load a checkpoint folder (or a list of folders, later ones overriding earlier ones) onto the
         model-parallel group `mp_group` (default: fairscale's model-parallel group if this process set one up, as
         LLaMA2-Accessory's scripts do with `initialize_model_parallel(n)`; else the torchrun world; else this
@@ -61,15 +62,16 @@ class MetaModel(nn.Module):
         blocks' linears in int4, the embedding and output in int8. Each rank quantizes its own slice as it loads.
         A quantized checkpoint (`accessory quantize`, or a GGUF imported with its bits kept) loads in its own
         format whatever `quant` says, unless `quant` names another one. `max_batch_size` (rows decoded together),
-        `compile` (torch.compile the decode step) and `prefix_cache` (a prompt's start already in the KV cache is
-        reused, not recomputed) are the engine's settings (`model.engine`).
+        `compile` (torch.compile the decode step), `prefix_cache` (a prompt's start already in the KV cache is
+        reused, not recomputed) and `prefix_cache_bytes` (per rank, for finished sequences kept to be reused) are
+        the engine's settings (`model.engine`).
         """
         if with_visual:
             raise NotImplementedError("with_visual=True: multimodal llama types are not built yet")
         folders = [Path(p) for p in ([pretrained_path] if isinstance(pretrained_path, (str, Path))
                                      else pretrained_path)]
         settings = EngineSettings(max_batch_size=max_batch_size, compile=compile,  # checked before loading
-                                  prefix_cache=prefix_cache)
+                                  prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes)
         if mp_group is None:
             init_distributed()  # a script started by torchrun needs no set-up of its own
             mp_group = fairscale_model_parallel_group()

@@ -14,7 +14,6 @@ import re
 import subprocess
 import sys
 from importlib.metadata import packages_distributions
-from pathlib import Path
 
 import pytest
 

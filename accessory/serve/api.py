@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API over a GenerationService: /v1/models, /v1/completions, /v1/chat/completions
-(streamed as server-sent events or not), and /health.
+(streamed as server-sent events or not; log-probs, n samples, structured output), /tokenize and /detokenize,
+/metrics and /health. Every field either works or is refused by name.
 
 Errors use OpenAI's body shape, {"error": {"message", "type", "param", "code"}}: 400 for bad input, 401 for a
-missing or wrong API key, 404 for an unknown model, 429 when the queue is full, 503 while shutting down.
+missing or wrong API key, 404 for an unknown model, 429 when the queue is full, 503 while loading or shutting down.
 """
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ import secrets
 import time
 from typing import Annotated, Literal, Optional, Sequence, Union
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException

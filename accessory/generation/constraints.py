@@ -138,4 +138,8 @@ class _SentencePieceVocabulary:
         return piece.replace("\u2581", " ").encode("utf-8")
 
     def __call__(self, text: str) -> list[int]:
-        return self.sp.encode(text)
+        """`text` as the continuation of other text: without the space SentencePiece puts before a whole text
+        (else llguidance, tokenizing bytes the pattern forces, would allow "▁-" where "-" must come)."""
+        marker = self.sp.encode("\n")
+        ids = self.sp.encode("\n" + text)
+        return ids[len(marker):] if ids[:len(marker)] == marker else self.sp.encode(text)

@@ -22,7 +22,7 @@ import sys
 import threading
 
 from accessory import __version__
-from accessory.config_file import add_config_arg, parse_args
+from accessory.config_file import add_config_arg, parse_args, parsers, verb_parsers
 from accessory.errors import AccessoryError, FailedInStep
 
 
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect_verb(verbs)
     _add_weights_verb(verbs)
     _add_reshard_verb(verbs)
-    add_log_level(verbs)
+    add_log_level(parser)
     both_spellings(parser)
     return parser
 
@@ -87,12 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def add_log_level(verbs: argparse._SubParsersAction) -> None:
-    """--log-level on every verb (and the verbs under it, as `weights apply`)."""
-    for verb in {id(p): p for p in verbs.choices.values()}.values():
-        nested = [a for a in verb._actions if isinstance(a, argparse._SubParsersAction)]
-        if nested:
-            add_log_level(nested[0])
+def add_log_level(parser: argparse.ArgumentParser) -> None:
+    """--log-level on every verb that runs (`weights apply`, not `weights`)."""
+    for verb in parsers(parser):
+        if verb is parser or verb_parsers(verb):
             continue
         verb.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                           help="what rank 0 logs (the other ranks log warnings and errors; every rank at debug) "
@@ -102,17 +100,14 @@ def add_log_level(verbs: argparse._SubParsersAction) -> None:
 def both_spellings(parser: argparse.ArgumentParser) -> None:
     """Let every long flag of `parser` and its verbs take both spellings: --max-batch-size as vLLM and llama.cpp
     spell it, --max_batch_size as LLaMA2-Accessory does."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for verb in {id(p): p for p in action.choices.values()}.values():
-                both_spellings(verb)
-            continue
-        for option in list(action.option_strings):
-            words = option[2:]
-            other = "--" + (words.replace("_", "-") if "_" in words else words.replace("-", "_"))
-            if option.startswith("--") and other != option and other not in parser._option_string_actions:
-                action.option_strings.append(other)
-                parser._option_string_actions[other] = action
+    for each in parsers(parser):
+        for action in each._actions:
+            for option in list(action.option_strings):
+                words = option[2:]
+                other = "--" + (words.replace("_", "-") if "_" in words else words.replace("-", "_"))
+                if option.startswith("--") and other != option and other not in each._option_string_actions:
+                    action.option_strings.append(other)
+                    each._option_string_actions[other] = action
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

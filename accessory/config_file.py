@@ -35,7 +35,7 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
             path = resolve(config, FLAG_SUFFIXES, FLAG)
         except ConfigError as e:
             verb.error(str(e))
-        apply_config(verb, path, _parsers(parser))
+        apply_config(verb, path, parsers(parser))
     return parser.parse_args(argv)
 
 
@@ -78,13 +78,17 @@ def _config_value(parser: argparse.ArgumentParser, argv: list[str]) -> Optional[
     return known.config
 
 
-def _parsers(parser: argparse.ArgumentParser):
-    """`parser` and every verb's parser under it."""
+def parsers(parser: argparse.ArgumentParser):
+    """`parser` and every verb's parser under it (each once: a verb's aliases share its parser)."""
     yield parser
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for verb in {id(p): p for p in action.choices.values()}.values():
-                yield from _parsers(verb)
+    for verb in verb_parsers(parser):
+        yield from parsers(verb)
+
+
+def verb_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """The parsers of `parser`'s own verbs, if it has any."""
+    found = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return list({id(p): p for p in found[0].choices.values()}.values()) if found else []
 
 
 def _read_mapping(parser: argparse.ArgumentParser, path: Path) -> dict:

@@ -50,7 +50,7 @@ def bench_llguidance(tokenizer: Tokenizer, tokens: list[int], schema) -> tuple[f
     import llguidance
     import llguidance.torch as llt
 
-    lltok = llguidance.LLTokenizer(tokenizer._backend.tk.to_str(), n_vocab=tokenizer.n_words,
+    lltok = llguidance.LLTokenizer(tokenizer.backend.tk.to_str(), n_vocab=tokenizer.n_words,
                                    eos_token=sorted(tokenizer.chat_stop_ids))
     start = time.perf_counter()
     grammar = llguidance.LLMatcher.grammar_from_json_schema(schema) if schema else \
@@ -72,7 +72,7 @@ def bench_xgrammar(tokenizer: Tokenizer, tokens: list[int], schema) -> tuple[flo
     import xgrammar as xgr
     from transformers import PreTrainedTokenizerFast
 
-    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer._backend.tk)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend.tk)
     info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=tokenizer.n_words,
                                               stop_token_ids=sorted(tokenizer.chat_stop_ids))
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)

@@ -65,19 +65,16 @@ class Matcher:
 
         self._matcher, self.vocab_size = matcher, vocab_size
         self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
-        self._bits = torch.arange(32, dtype=torch.int32)
 
-    def allowed(self) -> torch.Tensor:
-        """(vocab,) bool: the tokens that keep the output a possible match (a stop id once it is a whole one)."""
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of `logits` (1, vocab) with every token that breaks the match at -inf (a stop id is allowed
+        once the output is a whole match)."""
         import llguidance.torch
 
         llguidance.torch.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
-        return ((self._bitmask[0, :, None] >> self._bits) & 1).bool().flatten()[:self.vocab_size]
-
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` (1, vocab) with every token that breaks the match at -inf."""
-        allowed = self.allowed().to(logits.device)
-        return logits.masked_fill(~allowed[:logits.shape[-1]], float("-inf"))
+        masked = logits.clone()
+        llguidance.torch.apply_token_bitmask_inplace(masked, self._bitmask.to(masked.device))
+        return masked
 
     def consume(self, token: int) -> None:
         if not self._matcher.consume_token(token):

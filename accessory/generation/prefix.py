@@ -56,12 +56,13 @@ class RetainedRows:
         otherwise an empty slot, else the least recently used."""
         if not self.tokens or len(tokens) < MIN_REUSE:
             return None
-        held = [(slot, kept) for slot, kept in enumerate(self.tokens) if kept is not None]
-        covering = [slot for slot, kept in held if common_prefix(kept, tokens) == len(tokens)]
+        shared = [(slot, common_prefix(kept, tokens), len(kept)) for slot, kept in enumerate(self.tokens)
+                  if kept is not None]
+        covering = [slot for slot, length, _ in shared if length == len(tokens)]
         if covering:
             self.used(self.first + covering[0])
             return None
-        extended = [slot for slot, kept in held if common_prefix(kept, tokens) == len(kept)]
+        extended = [slot for slot, length, held in shared if length == held]
         empty = [slot for slot, kept in enumerate(self.tokens) if kept is None]
         slot = (extended or empty or self.order)[0]
         self.tokens[slot] = tokens

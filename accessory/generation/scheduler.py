@@ -293,21 +293,23 @@ class Scheduler:
 
 
 def prompt_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> tuple[TokenLogprob, ...]:
-    """Each prompt token's log-probability given those before it (the first's is None: it has no context)."""
-    logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(tokens[1:], device=logprobs.device)[:, None])[:, 0].tolist()
-    best = logprobs.topk(top, dim=-1) if top else None
-    entries = [TokenLogprob(token, value, tuple(zip(best.indices[i].tolist(), best.values[i].tolist())) if best
-                            is not None else ()) for i, (token, value) in enumerate(zip(tokens[1:], chosen))]
-    return (TokenLogprob(tokens[0], None), *entries)
+    """Each prompt token's log-probability given those before it (the first's is None: it has no context), from
+    the prompt's logits (len(tokens), vocab)."""
+    return (TokenLogprob(tokens[0], None), *logprobs_of(logits[:-1], tokens[1:], top))
 
 
 def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     """`token`'s log-probability under `logits` (vocab,), and the `top` most likely tokens'."""
+    return logprobs_of(logits[None], [token], top)[0]
+
+
+def logprobs_of(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Row i's log-probability of tokens[i] under logits (N, vocab), with the `top` most likely of that row."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    best = logprobs.topk(top) if top else None
-    pairs = tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()
-    return TokenLogprob(token, float(logprobs[token]), pairs)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
+    best = logprobs.topk(top, dim=-1) if top else None
+    return [TokenLogprob(token, value, tuple(zip(best.indices[i].tolist(), best.values[i].tolist()))
+                         if best is not None else ()) for i, (token, value) in enumerate(zip(tokens, chosen))]
 
 
 def _fill_holes(survivors: list[int]) -> list[int]:

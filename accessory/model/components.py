@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -182,17 +182,16 @@ class Attention(nn.Module):
         return self._out(F.scaled_dot_product_attention(q, k, v, is_causal=x.shape[1] > 1, enable_gqa=True))
 
     def prefill(self, x: torch.Tensor, rotations: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-                segments: list[Segment]) -> torch.Tensor:
+                segments: list[Segment], masks: list[Optional[torch.Tensor]]) -> torch.Tensor:
         """Packed prompts x (1, T, dim): token t goes to cache row rows[t], column positions[t]; each segment is
-        one prompt, causal within itself and seeing its row's cached columns before it."""
+        one prompt, causal within itself and seeing its row's cached columns before it (its `prefill_mask`)."""
         q, k, v = self._qkv(x, rotations)  # (1, T, H, D)
         self.cache.write(rows, positions, k[0], v[0])
         q = q.transpose(1, 2)  # (1, H, T, D)
         attended = []
-        for seg in segments:  # keys and values from the cache: the prefix's and the segment's own, just written
+        for seg, mask in zip(segments, masks):  # keys and values from the cache: the prefix's and its own
             end = seg.past + seg.length
             keys, values = self.cache.k[seg.row:seg.row + 1, :, :end], self.cache.v[seg.row:seg.row + 1, :, :end]
-            mask = prefill_mask(seg.past, seg.length, x.device)
             attended.append(F.scaled_dot_product_attention(q[:, :, seg.start:seg.start + seg.length], keys, values,
                                                            attn_mask=mask, is_causal=mask is None, enable_gqa=True))
         return self._out(torch.cat(attended, dim=2))

@@ -15,7 +15,7 @@ from torch import nn
 
 from accessory.errors import ConfigError
 from accessory.model.components import (PLAIN, Attention, FeedForward, KVCache, Linears, RMSNorm, Segment,
-                                        rope_frequencies, rope_table)
+                                        prefill_mask, rope_frequencies, rope_table)
 from accessory.parallel import ColumnParallelLinear, ParallelContext, ParallelEmbedding
 from accessory.quant.weight import QuantizedWeight
 
@@ -181,8 +181,9 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
         return self._ffn(x + self.attention(self.attention_norm(x), rotations))
 
-    def prefill(self, x, rotations, rows, positions, segments) -> torch.Tensor:
-        return self._ffn(x + self.attention.prefill(self.attention_norm(x), rotations, rows, positions, segments))
+    def prefill(self, x, rotations, rows, positions, segments, masks) -> torch.Tensor:
+        return self._ffn(x + self.attention.prefill(self.attention_norm(x), rotations, rows, positions, segments,
+                                                    masks))
 
     def decode(self, x, rotations, positions, mask) -> torch.Tensor:
         return self._ffn(x + self.attention.decode(self.attention_norm(x), rotations, positions, mask))
@@ -359,10 +360,11 @@ class Transformer(nn.Module):
         rows = torch.tensor([seg.row for seg in segments for _ in range(seg.length)], device=device)
         positions = torch.tensor([p for seg in segments for p in range(seg.past, seg.past + seg.length)],
                                  device=device)
+        masks = [prefill_mask(seg.past, seg.length, device) for seg in segments]  # the same in every layer
         h = self.tok_embeddings(tokens[None], self.dtype)  # (1, T, dim)
         rotations = self.rotations[positions][None]
         for layer in self.layers:
-            h = layer.prefill(h, rotations, rows, positions, segments)
+            h = layer.prefill(h, rotations, rows, positions, segments, masks)
         last = torch.tensor([seg.start + seg.length - 1 for seg in segments], device=device)
         return self.output.project(self.norm(h[0, last])).float()
 

@@ -28,6 +28,7 @@ from accessory.errors import ConfigError
 from accessory.generation.prefix import RetainedRows, plan_reuse, waves
 from accessory.generation.scheduler import Event, Plan, Request, Scheduler
 from accessory.model.components import Segment, decode_mask
+from accessory.model.vision import image_key
 
 log = logging.getLogger(__name__)
 
@@ -167,11 +168,11 @@ class Engine:
             if error is not None:
                 raise error
             raise RuntimeError(f"model-parallel source rank failed: {message}")
-        keep, admit, score = tuple(range(kept)), (), ()
+        keep, admit, score, images = tuple(range(kept)), (), (), ()
         if moves:
-            keep, admit, score = self.ctx.broadcast_object((plan.keep, plan.admit, plan.score)
-                                                           if self.ctx.is_source else None)
-        return Plan(keep, tuple(values[HEADER:HEADER + kept]), admit, status == DONE, score)
+            keep, admit, score, images = self.ctx.broadcast_object((plan.keep, plan.admit, plan.score, plan.images)
+                                                                   if self.ctx.is_source else None)
+        return Plan(keep, tuple(values[HEADER:HEADER + kept]), admit, status == DONE, score, images)
 
 
 class Batch:
@@ -205,7 +206,7 @@ class Batch:
         if plan.keep:
             local.append(self._decode(plan.tokens))
         if plan.admit:
-            local.append(self._prefill(plan.admit))
+            local.append(self._prefill(plan.admit, plan.images or (None,) * len(plan.admit)))
         scored = scored if self.engine.ctx.is_source else []
         if not local:
             return None, scored
@@ -261,29 +262,38 @@ class Batch:
             return n
         return min(1 << (n - 1).bit_length(), self.rows)
 
-    def _prefill(self, admit: tuple[tuple[int, ...], ...]) -> torch.Tensor:
-        """Write each prompt into its new row (after the current ones), reusing cached prefixes; this rank's
-        logits (prompts, local vocab) of each prompt's last token."""
+    def _prefill(self, admit: tuple[tuple[int, ...], ...], images: tuple) -> torch.Tensor:
+        """Write each prompt (with its image's pixels, or None) into its new row (after the current ones), reusing
+        cached prefixes; this rank's logits (prompts, local vocab) of each prompt's last token."""
         prompts = [list(p) for p in admit]
         lengths = [len(p) for p in prompts]
         if min(lengths) < 1 or max(lengths) >= self.columns:
             raise ValueError(f"prompt lengths {lengths} must be in 1..{self.columns - 1} (the cache's columns)")
         first = len(self.cached)
-        plans = (plan_reuse(prompts, self.cached, self.retained) if self.engine.settings.prefix_cache
+        held = [self._contents(prompt, image) for prompt, image in zip(prompts, images)]
+        plans = (plan_reuse(held, self.cached, self.retained) if self.engine.settings.prefix_cache
                  else [None] * len(prompts))
-        self.cached += prompts
+        self.cached += held
         pasts = [plan.length if plan else 0 for plan in plans]
         order, logits = [], []
         for wave in waves(plans):  # a prompt copying from one admitted with it waits for that one's prefill
             self._copy_prefixes([(first + i, plans[i]) for i in wave if plans[i] is not None])
             for group in _packed_groups([lengths[i] - pasts[i] for i in wave], PREFILL_TOKENS):
                 members = [wave[j] for j in group]
-                logits.append(self._prefill_packed([(prompts[i], first + i, pasts[i]) for i in members]))
+                logits.append(self._prefill_packed([(prompts[i], first + i, pasts[i], images[i]) for i in members]))
                 order += members
         self.engine.stats.prefilled_tokens += sum(lengths) - sum(pasts)
         self.engine.stats.reused_tokens += sum(pasts)
         logits = torch.cat(logits)
         return logits if order == sorted(order) else logits[torch.tensor(order, device=logits.device).argsort()]
+
+    def _contents(self, prompt: list[int], image) -> list[int]:
+        """What a row holds, as the prefix cache compares it: the prompt's tokens, an image's positions keyed by
+        the image itself (negative: no token has such an id), so that only the same image is ever reused."""
+        if image is None:
+            return prompt
+        key = -1 - image_key(image)
+        return [key if token == self.model.image_token else token for token in prompt]
 
     def _copy_prefixes(self, copies: list) -> None:
         """Copy each (row, Reuse)'s prefix from its source row."""
@@ -293,15 +303,15 @@ class Batch:
             for _, plan in copies:
                 self.retained.used(plan.source)
 
-    def _prefill_packed(self, parts: list[tuple[list[int], int, int]]) -> torch.Tensor:
-        """Prefill (prompt, row, past) parts packed into one sequence: each prompt's tokens from `past` on."""
-        tokens = torch.tensor([t for prompt, _, past in parts for t in prompt[past:]], dtype=torch.long,
+    def _prefill_packed(self, parts: list[tuple[list[int], int, int, Optional[torch.Tensor]]]) -> torch.Tensor:
+        """Prefill (prompt, row, past, image) parts packed into one sequence: each prompt's tokens from `past` on."""
+        tokens = torch.tensor([t for prompt, _, past, _ in parts for t in prompt[past:]], dtype=torch.long,
                               device=self.model.device)
         segments, start = [], 0
-        for prompt, row, past in parts:
+        for prompt, row, past, _ in parts:
             segments.append(Segment(start, len(prompt) - past, row, past))
             start += len(prompt) - past
-        return self.model.prefill(tokens, segments)
+        return self.model.prefill(tokens, segments, [image for *_, image in parts])
 
 
 def compiled(decode, device: torch.device):

@@ -57,13 +57,15 @@ class TokenLogprob:
 class Plan:
     """One step, as the source rank decided it: `keep[j]` is the current row that becomes row j (rows not named
     have finished), `tokens[j]` its next input token; `admit` are the prompts (token ids) of rows that join after
-    them; `score`: prompts whose logits at every position the source rank wants (prompt log-probabilities).
-    `done`: nothing is left, the run ends."""
+    them, and `images` their images' pixels (one per prompt in admit, or None; empty when none has one);
+    `score`: prompts whose logits at every position the source rank wants (prompt log-probabilities). `done`:
+    nothing is left, the run ends."""
     keep: tuple[int, ...] = ()
     tokens: tuple[int, ...] = ()
     admit: tuple[tuple[int, ...], ...] = ()
     done: bool = False
     score: tuple[tuple[int, ...], ...] = ()
+    images: tuple[Optional[torch.Tensor], ...] = ()
 
     @property
     def moves(self) -> bool:
@@ -110,6 +112,8 @@ class Request:
     seed: int
     stop_strings: Sequence[str] = ()
     matcher: Optional[Matcher] = field(default=None, repr=False)  # the constraint the output must match
+    # the prompt's image, transformed (C, S, S) on the CPU, filling its image tokens (a vision-language model's)
+    image: Optional[torch.Tensor] = field(default=None, repr=False)
     # state, kept by the scheduler
     text: Optional[RowText] = field(default=None, repr=False)
     generator: Optional[torch.Generator] = field(default=None, repr=False)
@@ -177,8 +181,10 @@ class Scheduler:
         self.active += admitted
         done = self.closed and not self.active and not self.waiting
         self.scoring = [r for r in admitted if r.params.prompt_logprobs is not None]
+        images = tuple(r.image for r in admitted) if any(r.image is not None for r in admitted) else ()
         plan = Plan(tuple(keep), tuple(r.generated[-1] for r in self.active[:len(keep)]),
-                    tuple(tuple(r.tokens) for r in admitted), done, tuple(tuple(r.tokens) for r in self.scoring))
+                    tuple(tuple(r.tokens) for r in admitted), done, tuple(tuple(r.tokens) for r in self.scoring),
+                    images)
         return plan, events
 
     def receive_prompt_logits(self, scored: list[torch.Tensor]) -> None:

@@ -21,12 +21,14 @@ from accessory.generation.scheduler import Event, Request, fit_prompt, row_seeds
 from accessory.model.LLM import model_classes
 from accessory.model.memory import check_fits
 from accessory.model.tokenizer import Tokenizer, find_tokenizer
+from accessory.model.vision import ImagePlacement, optional_pixels
 from accessory.parallel import ParallelContext, fairscale_model_parallel_group, init_distributed
 from accessory.kernels import cpu_kernels
 
 log = logging.getLogger(__name__)
 
 PathLike = Union[str, Path]
+IMAGE_PLACEHOLDER = "<image>"  # where a prompt's image goes (HF LLaVA's and LLaVA's own spelling)
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
 
@@ -65,9 +67,10 @@ class MetaModel(nn.Module):
         `compile` (torch.compile the decode step), `prefix_cache` (a prompt's start already in the KV cache is
         reused, not recomputed) and `prefix_cache_bytes` (per rank, for finished sequences kept to be reused) are
         the engine's settings (`model.engine`).
+
+        `with_visual`: LLaMA2-Accessory's flag for a model that reads images. A vision-language checkpoint (llama_type
+        "llava") loads its vision tower either way; with_visual=True on a text model is an error.
         """
-        if with_visual:
-            raise NotImplementedError("with_visual=True: multimodal llama types are not built yet")
         folders = [Path(p) for p in ([pretrained_path] if isinstance(pretrained_path, (str, Path))
                                      else pretrained_path)]
         settings = EngineSettings(max_batch_size=max_batch_size, compile=compile,  # checked before loading
@@ -82,6 +85,10 @@ class MetaModel(nn.Module):
         spec = read_spec(folders, llama_type, [str(p) for p in llama_config or ()])
         tokenizer = Tokenizer.from_path(tokenizer_path or _found_tokenizer(folders))
         model_args, transformer = model_classes(spec.llama_type)
+        if with_visual and not hasattr(transformer, "image_features"):
+            raise ConfigError(f"with_visual=True, but {folders[-1]} holds a text model (llama_type "
+                              f"{spec.llama_type!r}); vision-language checkpoints are llama_type 'llava' (import an "
+                              f"HF LLaVA folder with `accessory convert hf`)")
         config = resolved_config({**spec.config, "max_seq_len": max_seq_len}, tokenizer, str(folders[-1]))
         args = model_args.from_dict(config, source=f"config of {folders[-1]}")
         if tokenizer.n_words > args.vocab_size:
@@ -128,6 +135,10 @@ class MetaModel(nn.Module):
                  top_k: int = 0, repetition_penalty: float = 1.0, truncate: str = "left") -> list[str]:
         """Complete each prompt; every rank returns the same texts (the source rank's prompts and seed are used).
 
+        `images` (a vision-language model): a tensor (prompts, C, S, S), or a list with one image (C, S, S) or None
+        per prompt, each from `image_transform()`. An image fills the prompt's "<image>" placeholder, or follows BOS
+        if it has none; its tokens count against max_seq_len and are never truncated.
+
         Stops on the tokenizer's end-of-sequence ids, the chat template's end-of-turn token, or any of
         `additional_stop_symbols` (cut from the text). `truncate`: what to do when a prompt plus max_gen_len exceeds
         max_seq_len: "left" keeps the prompt's end (with a warning), "error" raises ValueError.
@@ -151,11 +162,13 @@ class MetaModel(nn.Module):
         Text that could still become a stop symbol, or is an incomplete UTF-8 character, is held back until clear.
         For a list of prompts, `additional_stop_symbols` may also be a list of lists: each prompt's own stops.
         Under tensor parallelism the source rank streams; the other ranks (which compute alongside but never
-        detokenize) yield only the final event(s).
+        detokenize) yield only the final event(s). `image`: the prompt's image (C, S, S) or (1, C, S, S), or for a
+        list of prompts what `generate` takes as `images`.
         """
         params = SamplingParams(max_gen_len, temperature, top_p, top_k, repetition_penalty)
         batch = not isinstance(prompt, str)
-        yield from _changed_events(self._stream(list(prompt) if batch else [prompt], image, params,
+        images = image if batch or image is None else [image]
+        yield from _changed_events(self._stream(list(prompt) if batch else [prompt], images, params,
                                                 additional_stop_symbols, seed, truncate), batch)
 
     def chat(self, messages: list[dict], max_gen_len: int = 512, temperature: float = 0.0, top_p: float = 0.95,
@@ -179,30 +192,92 @@ class MetaModel(nn.Module):
                                         [*stops, *additional_stop_symbols], seed, **options)
 
     def _stream(self, prompts: list[str], images, params: SamplingParams, stop_strings, seed, truncate):
-        if images is not None:
-            raise NotImplementedError("images: multimodal llama types are not built yet")
         if not prompts:
             raise ValueError("prompts is empty: pass at least one prompt")
-        # The source rank's prompts and seed win, so ranks cannot disagree even if their callers do.
-        prompts, seed = self.ctx.broadcast_object((list(prompts), secrets.randbits(63) if seed is None else seed))
+        images = self._images(images, len(prompts))
+        # The source rank's prompts, images and seed win, so ranks cannot disagree even if their callers do.
+        prompts, images, seed = self.ctx.broadcast_object(
+            (list(prompts), images, secrets.randbits(63) if seed is None else seed))
         stops = _stops_per_prompt(stop_strings, len(prompts))
-        requests = [Request(row, fit_prompt(self.tokenizer.encode(prompt, bos=True, eos=False), params,
-                                            self.llma.args.max_seq_len, truncate, row), params, row_seed, stops[row])
-                    for row, (prompt, row_seed) in enumerate(zip(prompts, row_seeds(seed, len(prompts))))]
-        for request in requests:
-            if not request.tokens:
-                raise ValueError(f"prompt {request.id} is empty after tokenization")
+        requests = []
+        for row, (prompt, image, row_seed) in enumerate(zip(prompts, images, row_seeds(seed, len(prompts)))):
+            tokens = self.encode_prompt(prompt, image is not None)
+            if image is not None:
+                self._check_room(tokens, params, row)  # an image is never cut: its prompt must fit whole
+            tokens = fit_prompt(tokens, params, self.llma.args.max_seq_len, truncate, row)
+            if not tokens:
+                raise ValueError(f"prompt {row} is empty after tokenization")
+            requests.append(Request(row, tokens, params, row_seed, stops[row], image=image))
         yield from self.engine.stream(requests)
+
+    # ---- images -----------------------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str, image: bool = False, special: bool = True) -> list[int]:
+        """The prompt's token ids, BOS first. With an image (a vision-language model), its `image_tokens` image
+        tokens stand where the prompt's "<image>" placeholder is (the tokenizer's own token, or text that LLaVA's
+        code splits the prompt at), or right after BOS if it has none, as LLaMA2-Accessory places visual tokens.
+        `special=False`: special tokens' text is plain text."""
+        ids = self.tokenizer.encode(prompt, bos=True, eos=False, special=special)
+        llma = self.llma
+        if not image:
+            if llma.image_tokens and llma.image_token in ids:
+                raise ValueError(f"the prompt holds the image token ({llma.image_token}, {IMAGE_PLACEHOLDER!r}) but "
+                                 f"no image was given")
+            return ids
+        if not llma.image_tokens:
+            raise ValueError(f"an image was given, but this model ({self.llama_type}) reads text only")
+        image_ids = [llma.image_token] * llma.image_tokens
+        if llma.image_token in ids or IMAGE_PLACEHOLDER not in prompt:
+            if ids.count(llma.image_token) > 1:
+                raise ValueError(f"the prompt holds {ids.count(llma.image_token)} image placeholders; it takes one "
+                                 f"image")
+            at = ids.index(llma.image_token) if llma.image_token in ids else int(ids[:1] == [self.tokenizer.bos_id])
+            return ids[:at] + image_ids + ids[at + (llma.image_token in ids):]
+        before, *after = prompt.split(IMAGE_PLACEHOLDER)
+        if len(after) > 1:
+            raise ValueError(f"the prompt holds {len(after)} {IMAGE_PLACEHOLDER!r} placeholders; it takes one image")
+        return (self.tokenizer.encode(before, bos=True, eos=False, special=special) + image_ids
+                + self.tokenizer.encode(after[0], bos=False, eos=False, special=special))
+
+    def image_transform(self, name: str = "padded_resize"):
+        """PIL image -> pixels for this model: `accessory.data.transform.get_transform(name, image_size)` with the
+        model's own normalisation. "padded_resize" (default) pads to a square first, as LLaVA-1.5 was trained;
+        "resized_center_crop" crops the middle square."""
+        from accessory.data.transform import get_transform
+
+        if not self.llma.image_tokens:
+            raise ValueError(f"this model ({self.llama_type}) reads text only: it has no image transform")
+        args = self.llma.args
+        return get_transform(name, self.llma.image_size, mean=tuple(args.image_mean), std=tuple(args.image_std))
+
+    def _images(self, images, count: int) -> list:
+        """`images` as one entry per prompt (pixels or None), checked against the model."""
+        if images is None:
+            return [None] * count
+        if not self.llma.image_tokens:
+            raise ValueError(f"images were given, but this model ({self.llama_type}) reads text only: a "
+                             f"vision-language checkpoint (llama_type 'llava') reads images")
+        channels = self.llma.args.vision["num_channels"]
+        return optional_pixels(images, count, channels, self.llma.image_size, "images")
+
+    def _check_room(self, tokens: list[int], params: SamplingParams, row: int) -> None:
+        room = self.llma.args.max_seq_len - params.max_gen_len
+        if len(tokens) > room:
+            raise ValueError(f"prompt {row} with its image is {len(tokens)} tokens ({self.llma.image_tokens} of them "
+                             f"the image's); with max_gen_len {params.max_gen_len} at most {room} fit in max_seq_len "
+                             f"{self.llma.args.max_seq_len}, and a prompt with an image is never truncated")
 
     # ---- scoring ---------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def compute_logits(self, examples: Sequence[Union[str, list[int]]], images=None, bos: bool = True,
                        eos: bool = False) -> list[torch.Tensor]:
-        """Float32 logits (len_i, vocab) for every position of each example (text, or token ids)."""
-        if images is not None:
-            raise NotImplementedError("images: multimodal llama types are not built yet")
-        examples = self._tokenized(examples, bos, eos)
+        """Float32 logits (len_i, vocab) for every position of each example (text, or token ids). `images` as
+        `generate` takes them: a text example's image goes where `encode_prompt` puts it; a token-id example must
+        already hold its `image_tokens` image tokens."""
+        images = self.ctx.broadcast_object(self._images(images, len(examples)) if images is not None else None)
+        examples = self._tokenized(examples, bos, eos, images)
+        images = images or [None] * len(examples)
         logits = []
         for start in range(0, len(examples), self.max_batch_size):
             wave = examples[start: start + self.max_batch_size]
@@ -210,7 +285,9 @@ class MetaModel(nn.Module):
             tokens = torch.zeros(len(wave), max(map(len, wave)), dtype=torch.long, device=self.llma.device)
             for row, ids in enumerate(wave):
                 tokens[row, :len(ids)] = torch.tensor(ids)
-            out = self.llma(tokens)
+            placements = [ImagePlacement(row, 0, len(ids), image)
+                          for row, (ids, image) in enumerate(zip(wave, images[start:])) if image is not None]
+            out = self.llma(tokens, placements)
             logits += [out[row, :len(ids)] for row, ids in enumerate(wave)]
         return logits
 
@@ -224,8 +301,9 @@ class MetaModel(nn.Module):
         log-likelihood per token, LLaMA2-Accessory's name for it), "perplexity" (exp of that), "max_equal" (greedy
         decoding reproduces every token), "non_context_logits" (the logits that predict those tokens).
         """
-        tokens = self._tokenized(examples, bos, eos)
-        context_tokens = self._tokenized(contexts, bos, False) if contexts is not None else None
+        images = self.ctx.broadcast_object(self._images(images, len(examples)) if images is not None else None)
+        tokens = self._tokenized(examples, bos, eos, images)
+        context_tokens = self._tokenized(contexts, bos, False, images) if contexts is not None else None
         if context_tokens is not None:
             if len(context_tokens) != len(tokens):
                 raise ValueError(f"{len(tokens)} examples but {len(context_tokens)} contexts")
@@ -258,16 +336,24 @@ class MetaModel(nn.Module):
         values, ids = probs.topk(min(top_k, probs.numel()))
         return [(self.tokenizer.decode([i]), p, i) for p, i in zip(values.tolist(), ids.tolist())]
 
-    def _tokenized(self, examples, bos: bool, eos: bool) -> list[list[int]]:
+    def _tokenized(self, examples, bos: bool, eos: bool, images=None) -> list[list[int]]:
         if isinstance(examples, str) or not examples:
             raise ValueError("examples must be a non-empty list of texts or token-id lists")
         examples = self.ctx.broadcast_object(list(examples))
-        tokens = [self.tokenizer.encode(e, bos, eos) if isinstance(e, str) else list(e) for e in examples]
+        images = images or [None] * len(examples)
+        tokens = [(self._encoded_example(e, bos, eos, image is not None) if isinstance(e, str) else list(e))
+                  for e, image in zip(examples, images)]
         for i, ids in enumerate(tokens):
             if not 0 < len(ids) <= self.llma.args.max_seq_len:
                 raise ValueError(f"example {i} has {len(ids)} tokens; scoring needs 1 to max_seq_len "
                                  f"({self.llma.args.max_seq_len})")
         return tokens
+
+    def _encoded_example(self, text: str, bos: bool, eos: bool, image: bool) -> list[int]:
+        if not image:
+            return self.tokenizer.encode(text, bos, eos)
+        ids = self.encode_prompt(text, image=True)
+        return (ids if bos else ids[1:]) + ([self.tokenizer.eos_id] if eos else [])
 
 
 def _stops_per_prompt(stop_strings, n: int) -> list[list[str]]:

@@ -65,23 +65,35 @@ def read_hf(folder) -> ImportedModel:
     Meta's layout, tensors in their stored dtype. Raises CheckpointError / ConfigError naming the file and key."""
     folder = Path(folder)
     config_path = folder / "config.json"
-    config = config_from_hf(_read_json(config_path), str(config_path))
-    args = validated_args(config, source=str(config_path))
-    weights, source = _load_weights(folder)
+    hf = _read_json(config_path)
+    if hf.get("model_type") == "llava":
+        from accessory.checkpoint.importers.llava import read_llava
+        return read_llava(folder, hf)
+    config = config_from_hf(hf, str(config_path))
+    weights, source = load_weights(folder)
+    state_dict = language_model(weights, config, source, str(config_path))
+    tokenizer_files = [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
+    return ImportedModel(state_dict=state_dict, config=config, tokenizer_files=tokenizer_files)
+
+
+def language_model(weights: dict[str, torch.Tensor], config: dict, source: str,
+                   config_source: str) -> dict[str, torch.Tensor]:
+    """A LlamaForCausalLM's weights (HF names) in canonical names, checked against `config`, q/k permuted back
+    to Meta's layout."""
+    args = validated_args(config, source=config_source)
     names = expand_templates(HF_TO_META, args.n_layers)
     state_dict = rename_strict(weights, names, source, optional=frozenset({"output.weight"}))
     if args.tie_word_embeddings:
         _drop_tied_output(state_dict, source)
     elif "output.weight" not in state_dict:
-        raise CheckpointError(f"{source}: missing weight lm_head.weight, and {config_path} says "
+        raise CheckpointError(f"{source}: missing weight lm_head.weight, and {config_source} says "
                               f"tie_word_embeddings is false")
     check_shapes({name: tuple(t.shape) for name, t in state_dict.items()}, args, source)
     for i in range(args.n_layers):
         wq, wk = f"layers.{i}.attention.wq.weight", f"layers.{i}.attention.wk.weight"
         state_dict[wq] = hf_to_meta_qk(state_dict[wq], args.n_heads)
         state_dict[wk] = hf_to_meta_qk(state_dict[wk], args.n_kv_heads)
-    tokenizer_files = [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
-    return ImportedModel(state_dict=state_dict, config=config, tokenizer_files=tokenizer_files)
+    return state_dict
 
 
 def config_from_hf(hf: dict, source: str) -> dict:
@@ -119,10 +131,11 @@ def config_from_hf(hf: dict, source: str) -> dict:
 def _check_llama(hf: dict, source: str) -> None:
     architectures = hf.get("architectures")
     if architectures is not None and architectures != ["LlamaForCausalLM"]:
-        raise CheckpointError(f"{source}: architectures is {architectures}; only ['LlamaForCausalLM'] "
-                              f"can be imported")
+        raise CheckpointError(f"{source}: architectures is {architectures}; only ['LlamaForCausalLM'] and "
+                              f"['LlavaForConditionalGeneration'] can be imported")
     if hf.get("model_type") != "llama":
-        raise CheckpointError(f"{source}: model_type is {hf.get('model_type')!r}; only 'llama' can be imported")
+        raise CheckpointError(f"{source}: model_type is {hf.get('model_type')!r}; only 'llama' (and 'llava') can be "
+                              f"imported")
 
 
 # Keys of each rope type we support, as HF names them (and as our dict form keeps them).
@@ -158,7 +171,7 @@ def _drop_tied_output(state_dict: dict, source: str) -> None:
                               f"model.embed_tokens.weight")
 
 
-def _load_weights(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
+def load_weights(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
     """All weights of the folder under their HF names, and a description of where they came from (for errors).
     Safetensors are preferred over pytorch_model.bin when both are present."""
     for single, index, loader in (("model.safetensors", "model.safetensors.index.json", _load_safetensors),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -16,6 +16,7 @@ from torch import nn
 from accessory.errors import ConfigError
 from accessory.model.components import (PLAIN, Attention, FeedForward, KVCache, Linears, RMSNorm, Segment,
                                         prefill_mask, rope_frequencies, rope_table)
+from accessory.model.vision import ImagePlacement
 from accessory.parallel import ColumnParallelLinear, ParallelContext, ParallelEmbedding
 from accessory.quant.weight import QuantizedWeight
 
@@ -342,26 +343,40 @@ class Transformer(nn.Module):
 
     # ---- the three entry points ------------------------------------------------------------------------------
 
+    image_tokens = 0  # token positions an image fills (a vision-language type's); a text model takes none
+    image_token: Optional[int] = None  # the token id those positions hold
+
+    def embed(self, tokens: torch.Tensor, images: Sequence[ImagePlacement] = ()) -> torch.Tensor:
+        """The input embeddings (..., dim) of `tokens`; a vision-language type (llava) writes its images' over
+        their image tokens."""
+        if images:
+            raise ValueError("this model reads text only: it has no vision encoder for images (a vision-language "
+                             "llama_type such as 'llava' has one)")
+        return self.tok_embeddings(tokens, self.dtype)
+
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, images: Sequence[ImagePlacement] = ()) -> torch.Tensor:
         """Float32 logits (B, L, vocab) of whole sequences (B, L) from position 0, on every rank; nothing is
-        cached (scoring)."""
-        h = self.tok_embeddings(tokens, self.dtype)
+        cached (scoring). `images`: where images go."""
+        h = self.embed(tokens, images)
         rotations = self.rotations[:tokens.shape[1]][None]
         for layer in self.layers:
             h = layer(h, rotations)
         return self.output(self.norm(h)).float()
 
-    def prefill(self, tokens: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+    def prefill(self, tokens: torch.Tensor, segments: list[Segment],
+                images: Sequence[Optional[torch.Tensor]] = ()) -> torch.Tensor:
         """Prompts packed into tokens (T,), one per segment: each is written to its cache row from column
-        `past` on, attending to that row's first `past` columns too. This rank's logits (segments, local vocab) at
-        each segment's last token."""
+        `past` on, attending to that row's first `past` columns too. `images`: each segment's image pixels, or
+        None. This rank's logits (segments, local vocab) at each segment's last token."""
         device = tokens.device
         rows = torch.tensor([seg.row for seg in segments for _ in range(seg.length)], device=device)
         positions = torch.tensor([p for seg in segments for p in range(seg.past, seg.past + seg.length)],
                                  device=device)
         masks = [prefill_mask(seg.past, seg.length, device) for seg in segments]  # the same in every layer
-        h = self.tok_embeddings(tokens[None], self.dtype)  # (1, T, dim)
+        placements = [ImagePlacement(0, seg.start, seg.start + seg.length, pixels)
+                      for seg, pixels in zip(segments, images) if pixels is not None]
+        h = self.embed(tokens[None], placements)  # (1, T, dim)
         rotations = self.rotations[positions][None]
         for layer in self.layers:
             h = layer.prefill(h, rotations, rows, positions, segments, masks)

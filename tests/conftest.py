@@ -52,6 +52,24 @@ def tiny_checkpoints(tmp_path_factory, llama_tokenizer):
     return folders
 
 
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory, llama_tokenizer) -> dict:
+    """A tiny random HF LLaVA (CLIP tower) and its import: {"hf": folder, "model": the HF model, "accessory":
+    the converted single-shard folder}."""
+    from accessory.checkpoint.convert import convert
+    from tiny import build_tiny_llava
+
+    root = tmp_path_factory.mktemp("llava")
+    model = build_tiny_llava(root / "hf", llama_tokenizer)
+    return {"hf": root / "hf", "model": model, "accessory": convert("hf", root / "hf", root / "accessory")}
+
+
+@pytest.fixture(scope="session")
+def photo() -> Path:
+    """A real photo (gradio ships it)."""
+    return package_file("gradio", "media_assets", "images", "cheetah1.jpg")
+
+
 def tokenizer_copy(tokenizer: Path, root: Path) -> Path:
     target = root / "tokenizer.model"
     if not target.exists():

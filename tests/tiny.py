@@ -1,6 +1,8 @@
 """Small random LLaMA configs whose weights give clear greedy choices (so token equality is a real check)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 BASE = dict(dim=96, n_layers=2, vocab_size=32000, norm_eps=1e-5, max_seq_len=256)
@@ -36,15 +38,18 @@ def tiny_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     return weights
 
 
-def greedy_ids(model, prompts: list[list[int]], steps: int, engine=None, **sampling) -> list[list[int]]:
+def greedy_ids(model, prompts: list[list[int]], steps: int, engine=None, images=None, **sampling) -> list[list[int]]:
     """Exactly `steps` greedy tokens per prompt (no stop tokens), straight from the engine (model.engine, or
-    `engine`); the source rank's tokens, on every rank (only the source rank samples)."""
+    `engine`); the source rank's tokens, on every rank (only the source rank samples). `images`: each prompt's
+    pixels or None."""
     from accessory.generation.sampling import SamplingParams
     from accessory.generation.scheduler import Request
 
     engine = (engine or model.engine).configured(max_batch_size=len(prompts))
     engine.stop_ids = set()
-    requests = [Request(row, ids, SamplingParams(max_gen_len=steps, **sampling), 0) for row, ids in enumerate(prompts)]
+    images = images or [None] * len(prompts)
+    requests = [Request(row, ids, SamplingParams(max_gen_len=steps, **sampling), 0, image=image)
+                for row, (ids, image) in enumerate(zip(prompts, images))]
     for _ in engine.stream(requests):
         pass
     return model.ctx.broadcast_object([request.generated for request in requests])
@@ -61,10 +66,41 @@ class StepRows:
         self.decode, sizes = self.engine.decode_step, self.sizes
         prefill = self.engine.model.prefill
         self.engine.decode_step = lambda tokens, *rest: (sizes.append(tokens.shape[0]), self.decode(tokens, *rest))[1]
-        self.engine.model.prefill = lambda tokens, segments: (sizes.append(len(segments)),
-                                                              prefill(tokens, segments))[1]
+        self.engine.model.prefill = lambda tokens, segments, *rest: (sizes.append(len(segments)),
+                                                                     prefill(tokens, segments, *rest))[1]
         return sizes
 
     def __exit__(self, *exc) -> None:
         self.engine.decode_step = self.decode
         del self.engine.model.prefill  # the instance attribute: the class's method again
+
+
+def build_tiny_llava(folder, tokenizer, tower: str = "clip"):
+    """A tiny random HF LLaVA (a CLIP or SigLIP vision tower, a llama language model), saved with
+    `save_pretrained` beside a LLaMA SentencePiece tokenizer: what `accessory convert hf` imports. Weights are
+    scaled as `tiny_state_dict`'s (clear greedy choices), biases and positions small. Returns the HF model."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, SiglipVisionConfig
+
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=112,
+                 patch_size=14)
+    vision = CLIPVisionConfig(**sizes) if tower == "clip" else SiglipVisionConfig(**sizes)
+    text = LlamaConfig(hidden_size=96, intermediate_size=100, num_hidden_layers=2, num_attention_heads=6,
+                       num_key_value_heads=6, vocab_size=32064, max_position_embeddings=512)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=32000, vision_feature_layer=-2,
+                         vision_feature_select_strategy="default" if tower == "clip" else "full")
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=generator))
+            elif name.endswith("bias") or "class_embedding" in name or "position_embedding" in name:
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+            elif "embed_tokens" in name:
+                param.copy_(0.25 * torch.randn(param.shape, generator=generator))
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) / param[0].numel() ** 0.5)
+    model.save_pretrained(folder)
+    (Path(folder) / "tokenizer.model").write_bytes(Path(tokenizer).read_bytes())
+    return model

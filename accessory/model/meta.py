@@ -177,6 +177,8 @@ class MetaModel(nn.Module):
 
         `template`: None uses the model's own chat template (or LLaMA2-Accessory's default conversation if it has
         none); a name from `accessory.data.conversation.conv_templates` uses that one, with its stop symbols.
+        `image=` (a vision-language model): the conversation's image; it goes where a message's content says
+        "<image>", or after BOS.
         """
         text = ""
         for event in self.stream_chat(messages, max_gen_len, temperature, top_p, seed, template=template, **options):
@@ -185,10 +187,10 @@ class MetaModel(nn.Module):
 
     def stream_chat(self, messages: list[dict], max_gen_len: int = 512, temperature: float = 0.0, top_p: float = 0.95,
                     seed: Optional[int] = None, *, template: Optional[str] = None,
-                    additional_stop_symbols: Sequence[str] = (), **options) -> Iterator[Event]:
+                    additional_stop_symbols: Sequence[str] = (), image=None, **options) -> Iterator[Event]:
         """`chat`, streamed as `stream_generate` streams one prompt."""
         prompt, stops = render_chat(self.tokenizer, messages, template)
-        yield from self.stream_generate(prompt, None, max_gen_len, temperature, top_p,
+        yield from self.stream_generate(prompt, image, max_gen_len, temperature, top_p,
                                         [*stops, *additional_stop_symbols], seed, **options)
 
     def _stream(self, prompts: list[str], images, params: SamplingParams, stop_strings, seed, truncate):
@@ -220,9 +222,9 @@ class MetaModel(nn.Module):
         ids = self.tokenizer.encode(prompt, bos=True, eos=False, special=special)
         llma = self.llma
         if not image:
-            if llma.image_tokens and llma.image_token in ids:
-                raise ValueError(f"the prompt holds the image token ({llma.image_token}, {IMAGE_PLACEHOLDER!r}) but "
-                                 f"no image was given")
+            if llma.image_tokens and (llma.image_token in ids or IMAGE_PLACEHOLDER in prompt):
+                raise ValueError(f"the prompt holds the image placeholder {IMAGE_PLACEHOLDER!r} but no image was "
+                                 f"given")
             return ids
         if not llma.image_tokens:
             raise ValueError(f"an image was given, but this model ({self.llama_type}) reads text only")
@@ -343,6 +345,11 @@ class MetaModel(nn.Module):
         images = images or [None] * len(examples)
         tokens = [(self._encoded_example(e, bos, eos, image is not None) if isinstance(e, str) else list(e))
                   for e, image in zip(examples, images)]
+        for i, (ids, image) in enumerate(zip(tokens, images)):
+            held, wanted = ids.count(self.llma.image_token), self.llma.image_tokens if image is not None else 0
+            if self.llma.image_tokens and held != wanted:
+                raise ValueError(f"example {i} holds {held} image tokens ({self.llma.image_token}); with "
+                                 f"{'its' if image is not None else 'no'} image it must hold {wanted}")
         for i, ids in enumerate(tokens):
             if not 0 < len(ids) <= self.llma.args.max_seq_len:
                 raise ValueError(f"example {i} has {len(ids)} tokens; scoring needs 1 to max_seq_len "

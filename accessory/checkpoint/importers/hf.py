@@ -70,6 +70,7 @@ def read_hf(folder) -> ImportedModel:
         from accessory.checkpoint.importers.llava import read_llava
         return read_llava(folder, hf)
     config = config_from_hf(hf, str(config_path))
+    validated_args(config, source=str(config_path))  # before reading any weight
     weights, source = load_weights(folder)
     state_dict = language_model(weights, config, source, str(config_path))
     tokenizer_files = [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]

@@ -16,7 +16,7 @@ LAYERS = [
     ("accessory.kernels",),
     ("accessory.quant",),
     ("accessory.parallel",),
-    ("accessory.model.components", "accessory.model.LLM", "accessory.model.memory"),  # model
+    ("accessory.model.components", "accessory.model.vision", "accessory.model.LLM", "accessory.model.memory"),  # model
     ("accessory.checkpoint", "accessory.generation"),  # side by side: neither imports the other
     ("accessory.model.meta",),  # the facade
     ("accessory.cli", "accessory.serve", "accessory.batch", "accessory.__main__", "accessory"),  # interfaces

@@ -196,7 +196,7 @@ class MetaModel(nn.Module):
     def _stream(self, prompts: list[str], images, params: SamplingParams, stop_strings, seed, truncate):
         if not prompts:
             raise ValueError("prompts is empty: pass at least one prompt")
-        images = self._images(images, len(prompts))
+        images = self.checked_images(images, len(prompts))
         # The source rank's prompts, images and seed win, so ranks cannot disagree even if their callers do.
         prompts, images, seed = self.ctx.broadcast_object(
             (list(prompts), images, secrets.randbits(63) if seed is None else seed))
@@ -252,7 +252,7 @@ class MetaModel(nn.Module):
         args = self.llma.args
         return get_transform(name, self.llma.image_size, mean=tuple(args.image_mean), std=tuple(args.image_std))
 
-    def _images(self, images, count: int) -> list:
+    def checked_images(self, images, count: int) -> list:
         """`images` as one entry per prompt (pixels or None), checked against the model."""
         if images is None:
             return [None] * count
@@ -277,7 +277,7 @@ class MetaModel(nn.Module):
         """Float32 logits (len_i, vocab) for every position of each example (text, or token ids). `images` as
         `generate` takes them: a text example's image goes where `encode_prompt` puts it; a token-id example must
         already hold its `image_tokens` image tokens."""
-        images = self.ctx.broadcast_object(self._images(images, len(examples)) if images is not None else None)
+        images = self.ctx.broadcast_object(self.checked_images(images, len(examples)) if images is not None else None)
         examples = self._tokenized(examples, bos, eos, images)
         images = images or [None] * len(examples)
         logits = []
@@ -303,7 +303,7 @@ class MetaModel(nn.Module):
         log-likelihood per token, LLaMA2-Accessory's name for it), "perplexity" (exp of that), "max_equal" (greedy
         decoding reproduces every token), "non_context_logits" (the logits that predict those tokens).
         """
-        images = self.ctx.broadcast_object(self._images(images, len(examples)) if images is not None else None)
+        images = self.ctx.broadcast_object(self.checked_images(images, len(examples)) if images is not None else None)
         tokens = self._tokenized(examples, bos, eos, images)
         context_tokens = self._tokenized(contexts, bos, False, images) if contexts is not None else None
         if context_tokens is not None:

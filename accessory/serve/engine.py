@@ -118,20 +118,24 @@ class GenerationService:
     # ---- the source rank, any thread ---------------------------------------------------------------------------
 
     def submit(self, prompt: str, sampling: Optional[dict] = None, stop: Sequence[str] = (),
-               loop: Optional[asyncio.AbstractEventLoop] = None, special: bool = True, **options) -> Handle:
+               loop: Optional[asyncio.AbstractEventLoop] = None, special: bool = True, image=None,
+               **options) -> Handle:
         """Queue a completion of `prompt`. `sampling`: SAMPLING_KEYS and "seed" (None: random); max_gen_len
         defaults to the rest of the window. `special=False`: special tokens' text in the prompt is plain text.
-        `options`: those of `submit_tokens`. Raises ValueError for bad parameters or a prompt that does not fit,
-        QueueFull, or ServiceClosed."""
-        return self.submit_tokens(self.encode(prompt, special), sampling, stop, loop, **options)
+        `image` (a vision-language model): pixels (C, S, S) from `model.image_transform()`, placed where the prompt
+        says "<image>" (`MetaModel.encode_prompt`). `options`: those of `submit_tokens`. Raises ValueError for bad
+        parameters or a prompt that does not fit, QueueFull, or ServiceClosed."""
+        tokens = self.encode(prompt, special, image is not None)
+        return self.submit_tokens(tokens, sampling, stop, loop, images=None if image is None else [image], **options)
 
-    def encode(self, prompt: str, special: bool = True) -> list[int]:
-        """The prompt's tokens (with BOS); ValueError if it surely cannot fit, before spending time on it."""
+    def encode(self, prompt: str, special: bool = True, image: bool = False) -> list[int]:
+        """The prompt's tokens (with BOS, and an image's tokens if `image`); ValueError if it surely cannot fit,
+        before spending time on it."""
         per_token = self.model.tokenizer.max_token_chars
         if len(prompt) > self.columns * per_token:
             raise ValueError(f"the prompt has {len(prompt)} characters, more than {self.columns} tokens can hold "
                              f"(one holds at most {per_token}): this model's max_seq_len is {self.columns}")
-        return self.model.tokenizer.encode(prompt, bos=True, eos=False, special=special)
+        return self.model.encode_prompt(prompt, image, special)
 
     def submit_chat(self, messages: list[dict], sampling: Optional[dict] = None, template: Optional[str] = None,
                     stop: Sequence[str] = (), loop: Optional[asyncio.AbstractEventLoop] = None,
@@ -150,11 +154,11 @@ class GenerationService:
     def submit_prompts(self, prompts: list[list[int]], sampling: Optional[dict] = None, stop: Sequence[str] = (),
                        loop: Optional[asyncio.AbstractEventLoop] = None, n: int = 1,
                        constraint: Optional[Constraint] = None, label: Optional[str] = None,
-                       user: Optional[str] = None) -> Handle:
+                       user: Optional[str] = None, images: Optional[list] = None) -> Handle:
         """Queue `n` samples of a completion of each prompt: the handle's choice i * n + j is prompt i's sample j,
         whose seed is `row_seeds(seed, n)[j]` (so each is what that prompt alone gives, and sample 0 what n=1
         gives). Each is held to `constraint` if one is given. `label` (default: the request's id) and `user` name
-        it in its log line."""
+        it in its log line. `images`: one per prompt (pixels or None), as `MetaModel.generate` takes them."""
         if not self.ctx.is_source:
             raise RuntimeError("requests are submitted on the model-parallel source rank only")
         sampling = dict(sampling or {})
@@ -171,6 +175,7 @@ class GenerationService:
         # a seed per sample; checked here, before anything is registered
         seeds = row_seeds(secrets.randbits(62) if seed is None else seed, n)
         sampling["logit_bias"] = self._logit_bias(sampling.get("logit_bias") or {})
+        images = self.model.checked_images(images, len(prompts))
         params = [self._params(tokens, sampling, i if len(prompts) > 1 else None) for i, tokens in enumerate(prompts)]
         matchers = [self._matcher(constraint) for _ in range(count)]  # a schema that cannot compile raises here
         with self._lock:
@@ -183,7 +188,7 @@ class GenerationService:
                             self.scheduler.cancel, loop)
             self._handles.update(dict.fromkeys(handle.ids, handle))
             rows = [Request(handle.ids[k], prompts[k // n], params[k // n], seeds[k % n], [s for s in stop if s],
-                            matchers[k]) for k in range(count)]
+                            matchers[k], image=images[k // n]) for k in range(count)]
             if self.metrics is not None:
                 self._timings[handle.id] = Timing(label or handle.id, handle.prompt_tokens, rows, user)
         for row in rows:

@@ -92,6 +92,12 @@ def test_image_placement(llava):
     # no placeholder: right after BOS, as LLaMA2-Accessory puts its visual tokens
     plain = llava.encode_prompt("Describe it.", image=True)
     assert plain == [bos] + [image_token] * n + llava.tokenizer.encode("Describe it.", bos=False, eos=False)
+    # in a chat, a message's "<image>" places the image, and the rest of the message stays plain text
+    from accessory.generation.chat import render_chat
+
+    prompt, _ = render_chat(llava.tokenizer, [{"role": "user", "content": "<image>\nIs </s> in it?"}])
+    chat = llava.encode_prompt(prompt, image=True)
+    assert chat.count(image_token) == n and llava.tokenizer.eos_id not in chat
 
 
 def test_prefix_cache_reuses_only_the_same_image(llava, pictures):

@@ -20,7 +20,7 @@ from accessory.generation.sampling import SamplingParams
 from accessory.generation.scheduler import Event, Request, fit_prompt, row_seeds
 from accessory.model.LLM import model_classes
 from accessory.model.memory import check_fits
-from accessory.model.tokenizer import Tokenizer, find_tokenizer
+from accessory.model.tokenizer import IMAGE_PLACEHOLDER, Tokenizer, find_tokenizer
 from accessory.model.vision import ImagePlacement, optional_pixels
 from accessory.parallel import ParallelContext, fairscale_model_parallel_group, init_distributed
 from accessory.kernels import cpu_kernels
@@ -28,7 +28,6 @@ from accessory.kernels import cpu_kernels
 log = logging.getLogger(__name__)
 
 PathLike = Union[str, Path]
-IMAGE_PLACEHOLDER = "<image>"  # where a prompt's image goes (HF LLaVA's and LLaVA's own spelling)
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
 
@@ -235,11 +234,11 @@ class MetaModel(nn.Module):
                                  f"image")
             at = ids.index(llma.image_token) if llma.image_token in ids else int(ids[:1] == [self.tokenizer.bos_id])
             return ids[:at] + image_ids + ids[at + (llma.image_token in ids):]
-        before, *after = prompt.split(IMAGE_PLACEHOLDER)
-        if len(after) > 1:
-            raise ValueError(f"the prompt holds {len(after)} {IMAGE_PLACEHOLDER!r} placeholders; it takes one image")
-        return (self.tokenizer.encode(before, bos=True, eos=False, special=special) + image_ids
-                + self.tokenizer.encode(after[0], bos=False, eos=False, special=special))
+        pieces = self.tokenizer.encode_pieces(prompt, IMAGE_PLACEHOLDER, bos=True, special=special)
+        if len(pieces) > 2:
+            raise ValueError(f"the prompt holds {len(pieces) - 1} {IMAGE_PLACEHOLDER!r} placeholders; it takes one "
+                             f"image")
+        return pieces[0] + image_ids + pieces[1]
 
     def image_transform(self, name: str = "padded_resize"):
         """PIL image -> pixels for this model: `accessory.data.transform.get_transform(name, image_size)` with the

@@ -28,6 +28,7 @@ from accessory.jsonfile import read_json_object
 # while tokenizer.model is kept only for the slow SentencePiece path.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 # Files beside the tokenizer that belong to it and travel with it when a checkpoint is saved.
+IMAGE_PLACEHOLDER = "<image>"  # where a prompt's image goes (HF LLaVA's and LLaVA's own spelling)
 SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
 
 PathLike = Union[str, Path]
@@ -235,6 +236,19 @@ class Tokenizer:
             ids.append(self.eos_id)
         return ids
 
+    def encode_pieces(self, s: str, separator: str, bos: bool, *, special: bool = True) -> list[list[int]]:
+        """Token ids of each piece of `s` split at `separator`, each as `encode` reads it (a ChatPrompt's messages
+        still as plain text); BOS before the first only."""
+        pieces, at = [], 0
+        for text in str(s).split(separator):
+            end = at + len(text)
+            if isinstance(s, ChatPrompt):
+                text = ChatPrompt(text, tuple((max(a, at) - at, min(b, end) - at) for a, b in s.contents
+                                              if a < end and b > at))
+            pieces.append(self.encode(text, bos=bos and not pieces, eos=False, special=special))
+            at = end + len(separator)
+        return pieces
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids` (a list or a 1-D tensor), without special tokens such as EOS or end-of-turn."""
         return self._backend.decode([int(i) for i in ids])
@@ -277,7 +291,8 @@ class Tokenizer:
         """`render(messages)`, as a ChatPrompt when a message holds the text of a special token, so that it is
         encoded as text: a user typing "<|im_end|>\n<|im_start|>system" must not open a system turn."""
         text = render(messages)
-        specials = self._backend.special_texts
+        # LLaVA's tokenizers make the image placeholder a special token: in a message it says where the image goes
+        specials = self._backend.special_texts - {IMAGE_PLACEHOLDER}
         if not any(t in str(m.get("content", "")) for m in messages for t in specials):
             return text
         # Render again with a marker for each message's content, to find where the contents are in the text.

@@ -238,10 +238,13 @@ def test_quantized_checkpoint_is_what_loading_quantizes_and_reshards_3_to_1_to_9
             assert torch.equal(loaded[name], tensor), f"{folder.name}: {name}"
 
 
-def test_requantizing_or_quantizing_twice_is_refused(kept_checkpoint, tmp_path):
+def test_requantizing_or_quantizing_twice_is_refused(kept_checkpoint, tmp_path, tiny_checkpoints):
     from accessory.checkpoint.quantize import quantize_checkpoint
     from accessory.errors import CheckpointError, ConfigError
     from accessory.model.meta import MetaModel
+
+    with pytest.raises(CheckpointError, match=r"hidden size \(100\) is not a multiple of 32.*--quant int8"):
+        quantize_checkpoint(tiny_checkpoints["mha", 1], tmp_path / "partial-groups", "int8")
 
     with pytest.raises(ConfigError, match="holds int4-quantized weights; load it with quant='int4'"):
         MetaModel.from_pretrained(kept_checkpoint, quant="int8")

@@ -23,7 +23,7 @@ from accessory.errors import CheckpointError
 from accessory.model.LLM import model_classes
 from accessory.model.tokenizer import find_tokenizer_for
 from accessory.parallel import ParallelContext
-from accessory.quant.formats import check_format
+from accessory.quant.formats import GROUP, check_format
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,10 @@ def quantize_checkpoint(src: Path, dst: Path, fmt: str, shards: Optional[int] = 
     model_args, transformer = model_classes(spec.llama_type)
     args = model_args.from_dict(config, source=f"config of {src}")
     args.check_parallel_size(shards)
+    for name, size in (("dim", args.dim), ("the FFN hidden size", args.ffn_hidden_dim)):
+        if size % GROUP:  # the last group would be partial, and the format stores whole groups of inputs
+            raise CheckpointError(f"{src}: {name} ({size}) is not a multiple of {GROUP}, so its weights cannot be "
+                                  f"saved quantized; quantize while loading instead (--quant {fmt})")
     with torch.device("meta"):
         model = transformer(args, ParallelContext(None, 0, 1, 0))
     formats = model.quantization_plan(fmt)

@@ -80,6 +80,9 @@ def test_generate_and_stream_generate_take_images(llava, pictures):
     sampled = [llava.generate([PROMPT], images=pictures[:1], max_gen_len=STEPS, temperature=0.8, seed=5)
                for _ in range(2)]
     assert sampled[0] == sampled[1]  # seeds reproduce with images too
+    stop = texts[0][len(texts[0]) // 2:][:3]
+    cut = llava.generate([PROMPT], images=pictures[:1], max_gen_len=STEPS, additional_stop_symbols=[stop])
+    assert cut[0] == texts[0][:texts[0].index(stop)]  # stop symbols cut as for text
 
 
 def test_image_placement(llava):
@@ -139,6 +142,8 @@ def test_tensor_parallel_equals_one_process(llava, tiny_llava, pictures, tmp_pat
     two_shards = reshard(tiny_llava["accessory"], tmp_path / "two", 2)
     images, prompts = [pictures[0], None, pictures[1]], [PROMPT, "Hello there", "Describe it."]
     expected = _tensor_parallel(tiny_llava["accessory"], images, prompts)
+    first = llava.encode_prompt(PROMPT, image=True)
+    assert expected[0][0] == hf_greedy(tiny_llava["model"], first, pictures[0])
     for world, folder in ((2, tiny_llava["accessory"]), (3, two_shards)):  # 1 -> 2 and 2 -> 3 ranks
         for tokens, logits in run_ranks(world, _tensor_parallel, folder, images, prompts):
             assert tokens == expected[0]

@@ -29,8 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Union
 
+import torch
 import torch.distributed as dist
 
+from accessory.data.images import ImageError, read_image_file
 from accessory.errors import AccessoryError
 from accessory.generation.scheduler import Event
 from accessory.parallel.context import GroupLayout, ParallelContext, data_parallel_layout
@@ -38,9 +40,10 @@ from accessory.parallel.context import GroupLayout, ParallelContext, data_parall
 log = logging.getLogger(__name__)
 
 RecordId = Union[str, int]
-RECORD_KEYS = ("id", "prompt", "messages")
+RECORD_KEYS = ("id", "prompt", "messages", "image")
 EXPECTED = ('one JSON object per line, {"id": string or integer, "prompt": string} or '
-            '{"id": ..., "messages": [{"role": "system"|"user"|"assistant", "content": string}, ...]}')
+            '{"id": ..., "messages": [{"role": "system"|"user"|"assistant", "content": string}, ...]}, '
+            'each with an optional "image": "path/to/file"')
 JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean",
               type(None): "null"}
 CHUNK_BATCHES = 16  # records per stream_generate call, in units of --batch_size: bounds the per-step event list
@@ -58,6 +61,7 @@ class BatchOptions:
     batch_size: int = 8  # rows in flight per model-parallel group
     template: Optional[str] = None  # a conversation template name; None: the model's own chat template
     max_seq_len: int = 4096
+    image_transform: str = "padded_resize"  # for records with an image (a vision-language model)
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,7 @@ class Record:
     id: RecordId
     prompt: Optional[str] = None
     messages: Optional[list] = None
+    image: Optional[Path] = None  # an image file, relative paths already resolved against the input's folder
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,8 @@ class Job:
     id: RecordId
     prompt: str
     stops: tuple[str, ...]  # stop strings of its conversation template; () for a plain prompt
-    prompt_tokens: int
+    prompt_tokens: int  # an image's tokens included
+    image: Optional[Path] = None  # read on its group's source rank when its chunk is generated
 
 
 @dataclass
@@ -110,7 +116,7 @@ def read_records(path: Path) -> list[Record]:
     for number, raw in enumerate(raw_lines, 1):
         if not raw.strip():
             continue  # blank lines (a trailing one, say) carry no record
-        record = _parse_record(f"{path}:{number}", number, raw)
+        record = _parse_record(f"{path}:{number}", number, raw, Path(path).parent)
         if record.id in first_line:
             raise BatchInputError(f"{path}:{number}: duplicate id {record.id!r} (first on line "
                                   f"{first_line[record.id]}); ids must be unique, a rerun skips ids already written")
@@ -121,7 +127,7 @@ def read_records(path: Path) -> list[Record]:
     return records
 
 
-def _parse_record(where: str, number: int, raw: bytes) -> Record:
+def _parse_record(where: str, number: int, raw: bytes, folder: Path) -> Record:
     try:
         value = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -132,8 +138,8 @@ def _parse_record(where: str, number: int, raw: bytes) -> Record:
         raise BatchInputError(f"{where}: a JSON {JSON_TYPES[type(value)]}; expected {EXPECTED}")
     unknown = sorted(set(value) - set(RECORD_KEYS))
     if unknown:
-        raise BatchInputError(f"{where}: unknown key(s) {unknown}; a record has only \"id\" and one of \"prompt\" "
-                              f"or \"messages\"")
+        raise BatchInputError(f"{where}: unknown key(s) {unknown}; a record has only \"id\", one of \"prompt\" "
+                              f"or \"messages\", and \"image\"")
     if "id" not in value:
         raise BatchInputError(f"{where}: no \"id\"; expected {EXPECTED}")
     record_id = value["id"]
@@ -142,13 +148,26 @@ def _parse_record(where: str, number: int, raw: bytes) -> Record:
     if ("prompt" in value) == ("messages" in value):
         which = "both \"prompt\" and" if "prompt" in value else "neither \"prompt\" nor"
         raise BatchInputError(f"{where}: record {record_id!r} has {which} \"messages\"; expected exactly one")
+    image = _image_path(where, record_id, value, folder)
     if "prompt" in value:
         if not isinstance(value["prompt"], str):
             raise BatchInputError(f"{where}: \"prompt\" of record {record_id!r} must be a string, got a JSON "
                                   f"{JSON_TYPES[type(value['prompt'])]}")
-        return Record(number, record_id, prompt=value["prompt"])
+        return Record(number, record_id, prompt=value["prompt"], image=image)
     _check_messages(where, record_id, value["messages"])
-    return Record(number, record_id, messages=value["messages"])
+    return Record(number, record_id, messages=value["messages"], image=image)
+
+
+def _image_path(where: str, record_id: RecordId, value: dict, folder: Path) -> Optional[Path]:
+    """The record's "image" file, a relative path taken from the input file's folder."""
+    if "image" not in value:
+        return None
+    image = value["image"]
+    if not isinstance(image, str) or not image:
+        shown = "an empty string" if image == "" else f"a JSON {JSON_TYPES[type(image)]}"
+        raise BatchInputError(f"{where}: \"image\" of record {record_id!r} must be the path of an image file, got "
+                              f"{shown}")
+    return folder / image
 
 
 def _check_messages(where: str, record_id: RecordId, messages) -> None:
@@ -292,30 +311,68 @@ def prepare(options: BatchOptions, max_gen_len: int) -> Plan:
         raise BatchInputError(f"--output {options.output} is the input: the input is never overwritten")
     records = read_records(options.input)
     Path(options.output).parent.mkdir(parents=True, exist_ok=True)
-    return Plan(records, OutputFiles(options.output).read_done({r.id for r in records}))
+    plan = Plan(records, OutputFiles(options.output).read_done({r.id for r in records}))
+    check_images(options.input, plan.pending)
+    return plan
 
 
-def render_jobs(tokenizer, records: list[Record], template: Optional[str]) -> list[Job]:
+def check_images(path: Path, records: list[Record]) -> None:
+    """Each record's image must read whole, before any model loads: a missing, unreadable or oversized file is named
+    with its record's line. (Its pixels are made later, a chunk at a time: kept for every record they could fill
+    the memory, 1.3 MB each at 336 x 336.)"""
+    from tqdm import tqdm
+
+    with_images = [r for r in records if r.image is not None]
+    for record in tqdm(with_images, desc="checking images", unit="image", file=sys.stderr, delay=2):
+        try:
+            read_image_file(record.image)
+        except ImageError as e:
+            raise BatchInputError(f"{path}:{record.line}: \"image\" of record {record.id!r}: {e}") from None
+
+
+def render_jobs(tokenizer, records: list[Record], template: Optional[str],
+                encode_prompt: Optional[Callable] = None) -> list[Job]:
     """Each pending record as the prompt text the engine will see, its stop strings, and its token count (encoded
-    exactly as generation encodes it)."""
-    from accessory.generation.chat import render_chat
+    exactly as generation encodes it: `encode_prompt(prompt, image)`, the model's, counts an image's tokens; without
+    it a record with an image is an error)."""
+    from accessory.generation.chat import render_chat, with_image_placeholder
 
     if template is None and not tokenizer.has_chat_template and any(r.messages is not None for r in records):
         log.info("the model has no chat template; rendering \"messages\" with LLaMA2-Accessory's default "
                  "conversation")
         template = "default"  # what render_chat falls back to, named here so it says so once, not per record
+    encode_prompt = encode_prompt or _text_only(tokenizer)
     jobs = []
     for record in records:
         prompt, stops = record.prompt, ()
-        if record.messages is not None:
-            try:
-                prompt, stop_list = render_chat(tokenizer, record.messages, template)
-            except (AccessoryError, ValueError) as e:
-                raise BatchInputError(f"input line {record.line}: record {record.id!r}: {e}") from e
-            stops = tuple(stop_list)
-        jobs.append(Job(record.line, record.id, prompt, stops,
-                        len(tokenizer.encode(prompt, bos=True, eos=False))))
+        try:
+            if record.messages is not None:
+                messages = record.messages if record.image is None else with_image_placeholder(record.messages)
+                prompt, stop_list = render_chat(tokenizer, messages, template)
+                stops = tuple(stop_list)
+            tokens = encode_prompt(prompt, record.image is not None)
+        except (AccessoryError, ValueError) as e:
+            raise BatchInputError(f"input line {record.line}: record {record.id!r}: {e}") from e
+        jobs.append(Job(record.line, record.id, prompt, stops, len(tokens), record.image))
     return jobs
+
+
+def _text_only(tokenizer) -> Callable:
+    def encode(prompt: str, image: bool) -> list[int]:
+        if image:
+            raise ValueError("has an \"image\", but no model to place it was given")
+        return tokenizer.encode(prompt, bos=True, eos=False)
+    return encode
+
+
+def check_room(jobs: list[Job], max_gen_len: int, max_seq_len: int) -> None:
+    """A prompt with an image is never truncated (that would cut the image): it must fit whole with max_gen_len."""
+    for job in jobs:
+        if job.image is not None and job.prompt_tokens + max_gen_len > max_seq_len:
+            raise BatchInputError(f"input line {job.line}: record {job.id!r}: its prompt with its image is "
+                                  f"{job.prompt_tokens} tokens; with --max_gen_len {max_gen_len} at most "
+                                  f"{max_seq_len - max_gen_len} fit in --max_seq_len {max_seq_len}, and a prompt "
+                                  f"with an image is never truncated")
 
 
 def split_jobs(jobs: list[Job], dp_size: int, max_gen_len: int) -> list[list[Job]]:
@@ -333,20 +390,49 @@ def split_jobs(jobs: list[Job], dp_size: int, max_gen_len: int) -> list[list[Job
 # ---- generation (every rank of a group; its source writes) -----------------------------------------------------------
 
 def generate_jobs(model, jobs: list[Job], sampling: dict, batch_size: int,
-                  on_done: Callable[[Job, Event], None]) -> None:
+                  on_done: Callable[[Job, Event], None], image_transform: str = "padded_resize") -> None:
     """Generate every job, each with its own stop strings; `on_done(job, last event)` as each one ends, while the
     others go on (on the source rank; the other ranks hear of each chunk's ends when it is over)."""
     chunk = batch_size * CHUNK_BATCHES
     for start in range(0, len(jobs), chunk):
         part = jobs[start: start + chunk]
         written = [False] * len(part)
-        for events in model.stream_generate([j.prompt for j in part],
+        images = chunk_images(model, part, image_transform)
+        for events in model.stream_generate([j.prompt for j in part], image=images,
                                             additional_stop_symbols=[list(j.stops) for j in part], **sampling):
             for k, event in enumerate(events):
                 if event.end_of_content and not written[k]:
                     written[k] = True
                     on_done(part[k], event)
         assert all(written), "stream_generate ended before every row's end_of_content"
+
+
+def chunk_images(model, jobs: list[Job], transform: str) -> Optional[list]:
+    """The jobs' pixels (None for a job without an image), read and transformed on the group's source rank, which
+    sends them with the prompts; None elsewhere, or when no job has an image. A file that changed since it was
+    checked stops the group's every rank."""
+    if all(job.image is None for job in jobs):
+        return None
+
+    def read(job: Job) -> Optional[torch.Tensor]:
+        if job.image is None:
+            return None
+        where = f"input line {job.line}: record {job.id!r}: \"image\""
+        try:
+            return image_pixels(model, read_image_file(job.image), transform, where)
+        except ImageError as e:
+            raise BatchInputError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
+
+    return on_rank0(model.ctx, lambda: [read(job) for job in jobs])
+
+
+def image_pixels(model, image, transform: str, what: str) -> torch.Tensor:
+    """A PIL `image` as `model`'s pixels, by the transform named `transform`; its refusal (an image too large for
+    it) names `what`."""
+    try:
+        return model.image_transform(transform)(image)
+    except ImageError as e:
+        raise ImageError(f"{what}: {e}") from None
 
 
 def output_row(job: Job, event: Event, max_gen_len: int, max_seq_len: int) -> dict:
@@ -378,7 +464,7 @@ def run_group(model, layout: GroupLayout, jobs: list[Job], options: BatchOptions
     start = time.perf_counter()
     try:
         if jobs:
-            generate_jobs(model, jobs, sampling, options.batch_size, on_done)
+            generate_jobs(model, jobs, sampling, options.batch_size, on_done, options.image_transform)
     finally:
         if writer is not None:
             writer.close()
@@ -395,7 +481,7 @@ def run_batch(options: BatchOptions, sampling: dict, load_model: Callable) -> No
     layout = data_parallel_layout(options.mp)
     world = ParallelContext.from_group(None)
     leader = world.rank == 0
-    plan = _on_rank0(world, lambda: _prepare_and_mark_shared(options, sampling["max_gen_len"]))
+    plan = on_rank0(world, lambda: _prepare_and_mark_shared(options, sampling["max_gen_len"]))
     pending, nonce = world.broadcast_object((len(plan.pending), plan.check_nonce) if leader else None)
     try:
         _everyone_agrees(world, _shared_output_error(options, layout, nonce))
@@ -405,8 +491,8 @@ def run_batch(options: BatchOptions, sampling: dict, load_model: Callable) -> No
     stats, encode_s = [GroupStats()], 0.0
     if pending:
         model = load_model(layout.mp_group)
-        jobs, encode_s = _on_rank0(world, lambda: _timed(render_jobs, model.tokenizer, plan.pending,
-                                                         options.template)) or (None, 0.0)
+        jobs, encode_s = on_rank0(world, lambda: _timed(_rendered, model, plan.pending, options,
+                                                        sampling["max_gen_len"])) or (None, 0.0)
         mine = _scatter_to_groups(world, layout, split_jobs(jobs, layout.dp_size, sampling["max_gen_len"])
                                   if leader else None)
         if world.group is not None:
@@ -418,6 +504,12 @@ def run_batch(options: BatchOptions, sampling: dict, load_model: Callable) -> No
         files.merge(plan.records, files.read_done({r.id for r in plan.records}))
         print(format_summary(options, layout, sampling, len(plan.records), len(plan.records) - pending,
                              [s for s in stats if s is not None], encode_s), flush=True)
+
+
+def _rendered(model, records: list[Record], options: BatchOptions, max_gen_len: int) -> list[Job]:
+    jobs = render_jobs(model.tokenizer, records, options.template, model.encode_prompt)
+    check_room(jobs, max_gen_len, options.max_seq_len)
+    return jobs
 
 
 def _prepare_and_mark_shared(options: BatchOptions, max_gen_len: int) -> Plan:
@@ -448,8 +540,8 @@ def _timed(fn: Callable, *args):
     return fn(*args), time.perf_counter() - started
 
 
-def _on_rank0(world: ParallelContext, fn: Callable):
-    """fn() on global rank 0 alone (None elsewhere); if it raises, every rank stops (see `_everyone_agrees`)."""
+def on_rank0(world: ParallelContext, fn: Callable):
+    """fn() on the group's rank 0 alone (None elsewhere); if it raises, every rank stops (see `_everyone_agrees`)."""
     result, error = None, None
     if world.rank == 0:
         try:
@@ -461,14 +553,14 @@ def _on_rank0(world: ParallelContext, fn: Callable):
 
 
 def _everyone_agrees(world: ParallelContext, error: Optional[Exception]) -> None:
-    """Collective over the world: if any rank failed, every rank stops. The failing rank raises its error (the CLI
+    """Collective over `world`'s group: if any rank failed, every rank stops. The failing rank raises its error (the CLI
     logs it and exits 2); the others exit 2 quietly, so the user reads one message, not one per rank."""
     if world.group is None:
         if error is not None:
             raise error
         return
     failed = [None] * world.world_size
-    dist.all_gather_object(failed, None if error is None else str(error))
+    dist.all_gather_object(failed, None if error is None else str(error), group=world.group)
     if error is not None:
         raise error
     if any(failed):

@@ -23,6 +23,20 @@ def check_messages(messages: list[dict]) -> None:
                          f"{messages[-1]['role']!r}")
 
 
+def with_image_placeholder(messages: list[dict]) -> list[dict]:
+    """The messages with the image placeholder opening the first user message, where LLaVA puts the image, unless
+    a message already says where it goes."""
+    from accessory.model.tokenizer import IMAGE_PLACEHOLDER
+
+    if any(IMAGE_PLACEHOLDER in str(m.get("content") or "") for m in messages):
+        return messages
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
+    if first is None:
+        raise ValueError("an image goes in a user message, and the messages have none")
+    placed = {**messages[first], "content": f"{IMAGE_PLACEHOLDER}\n{messages[first]['content']}"}
+    return [*messages[:first], placed, *messages[first + 1:]]
+
+
 def render_chat(tokenizer, messages: list[dict], template: Optional[str] = None,
                 tools: Optional[list] = None) -> tuple[str, list[str]]:
     """(prompt, stop strings). Template None: the model's own chat template, whose end-of-turn token is already a

@@ -20,6 +20,7 @@ import queue
 import signal
 import sys
 import threading
+from typing import Optional
 
 from accessory import __version__
 from accessory.config_file import add_config_arg, parse_args, parsers, verb_parsers
@@ -37,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--prompt", required=True)
     sampling.add_argument("--chat", action="store_true",
                           help="wrap the prompt in the model's chat template; stop at its end-of-turn token")
+    add_image_args(gen, "an image for a vision-language model: it goes where the prompt says <image>, else right "
+                   "after BOS (with --chat: at the start of the user's message)")
     gen.set_defaults(handler=run_generate)
 
     chat = verbs.add_parser("chat", help="multi-turn chat in the terminal (rank 0 reads it under torchrun)")
@@ -45,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--template", help="a LLaMA2-Accessory conversation template name (default: the "
                           "model's own chat template)")
     sampling.add_argument("--system", help="system message for every conversation")
+    add_image_args(chat, "an image for a vision-language model: every conversation is about it (it opens the first "
+                   "user message, again after /reset)")
     chat.set_defaults(handler=run_chat)
     _add_batch_verb(verbs)
 
@@ -64,14 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="requests that may wait for a free row; past it, 429")
     http.add_argument("--shutdown-grace", type=_non_negative_float, default=30.0,
                       help="on SIGTERM, seconds to let running requests finish before cancelling them")
-    http.add_argument("--max-request-bytes", type=_byte_size, default=DEFAULT_MAX_REQUEST_BYTES,
-                      help="largest request body accepted, e.g. 8MB; past it, 413 (default: 8MB)")
+    http.add_argument("--max-request-bytes", type=_byte_size,
+                      help="largest request body accepted, e.g. 8MB; past it, 413 (default: 8MB for text plus "
+                      "--max-image-bytes in base64, so that one image at that limit fits: 36MB at the defaults)")
     http.add_argument("--sse-keepalive", type=_positive_float, default=10.0, metavar="SECONDS",
                       help="a stream with nothing to send for this long sends an SSE comment, so proxies keep it "
                       "open (default: 10)")
     http.add_argument("--allow-special-tokens-in-prompt", action="store_true",
                       help="read special tokens' text in a completion's prompt as those tokens (in chat messages "
                       "it is always plain text)")
+    _add_server_image_args(serve)
     serve.set_defaults(handler=run_serve, max_seq_len=2048, max_batch_size=16)
 
     _add_convert_verb(verbs)
@@ -82,6 +89,33 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_level(parser)
     both_spellings(parser)
     return parser
+
+
+def add_image_args(parser: argparse.ArgumentParser, file_help: Optional[str] = None):
+    """--image-transform (and --image FILE when `file_help` is given): how an image reaches a vision-language
+    model (llama_type llava)."""
+    images = parser.add_argument_group("images (a vision-language model)")
+    if file_help:
+        images.add_argument("--image", metavar="FILE", help=file_help)
+    images.add_argument("--image-transform", type=_image_transform, default="padded_resize", metavar="NAME",
+                        help="how an image becomes the model's pixels: padded_resize pads it to a square first, as "
+                        "LLaVA-1.5 was trained; resized_center_crop crops the middle square (default: padded_resize)")
+    return images
+
+
+def _add_server_image_args(serve: argparse.ArgumentParser) -> None:
+    from accessory.data.images import ImageLimits
+
+    images = add_image_args(serve)
+    images.add_argument("--allow-local-images", action="store_true",
+                        help="let image_url parts name files on this machine (file:///abs/path or /abs/path), read "
+                        "with the server's permissions (default: off: data: URLs only; remote URLs are always "
+                        "refused, never fetched)")
+    images.add_argument("--max-image-bytes", type=_byte_size, default=ImageLimits.max_bytes, metavar="SIZE",
+                        help="largest image accepted, encoded, e.g. 5MB; past it, 400 (default: 20MiB)")
+    images.add_argument("--max-image-pixels", type=positive_int, default=ImageLimits.max_pixels, metavar="N",
+                        help="largest image accepted, width x height, checked before any pixel is decoded; past "
+                        f"it, 400 (default: {ImageLimits.max_pixels})")
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -191,13 +225,60 @@ def load_model(args, mp_group=None):
 
 
 def run_generate(args) -> None:
+    image = _read_image(args)
     model = load_model(args)
+    pixels = _image_pixels(model, image, args)
     if args.chat:
-        text = model.chat([{"role": "user", "content": args.prompt}], **_sampling_kwargs(args))
+        messages = [{"role": "user", "content": args.prompt}]
+        text = model.chat(_with_image(messages, args), image=pixels, **_sampling_kwargs(args))
     else:
-        [text] = model.generate([args.prompt], **_sampling_kwargs(args))
+        [text] = model.generate([args.prompt], images=None if pixels is None else [pixels], **_sampling_kwargs(args))
     if model.ctx.is_source:
         print(text, flush=True)
+
+
+def _read_image(args):
+    """--image, read by global rank 0 before any model loads (None on the other ranks, and without --image); a bad
+    file stops every rank, with one message."""
+    if not getattr(args, "image", None):
+        return None
+    from accessory.batch import on_rank0
+    from accessory.data.images import ImageError, read_image_file
+    from accessory.parallel import ParallelContext
+
+    def read():
+        try:
+            return read_image_file(args.image)
+        except ImageError as e:
+            raise ImageError(f"--image {e}") from None
+
+    return on_rank0(ParallelContext.from_group(None), read)
+
+
+def _image_pixels(model, image, args):
+    """The pixels of --image for the source rank's generation (None on the others: the source rank's are sent to
+    them), or None without --image."""
+    if not getattr(args, "image", None):
+        return None
+    from accessory.batch import image_pixels, on_rank0
+    from accessory.data.images import ImageError
+
+    def pixels():
+        if not model.llma.image_tokens:
+            raise ImageError(f"--image {args.image}: this model ({model.llama_type}) reads text only; a "
+                             f"vision-language checkpoint (llama_type llava) reads images")
+        return image_pixels(model, image, args.image_transform, f"--image {args.image}")
+
+    return on_rank0(model.ctx, pixels)
+
+
+def _with_image(messages: list[dict], args) -> list[dict]:
+    """With --image, the messages with its placeholder opening the first user message (LLaVA's place for it)."""
+    if not args.image:
+        return messages
+    from accessory.generation.chat import with_image_placeholder
+
+    return with_image_placeholder(messages)
 
 
 CHAT_HELP = "Type a message and press Enter. /reset starts a new conversation, /exit (or Ctrl-D) quits."
@@ -205,7 +286,9 @@ CHAT_HELP = "Type a message and press Enter. /reset starts a new conversation, /
 
 def run_chat(args) -> None:
     """Rank 0 reads the terminal and broadcasts each line; every rank generates; rank 0 streams the reply."""
+    image = _read_image(args)
     model = load_model(args)
+    pixels = _image_pixels(model, image, args)
     source = model.ctx.is_source
     if not source:  # the terminal's Ctrl-C reaches every rank; the source turns it into a clean end for all
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -226,7 +309,8 @@ def run_chat(args) -> None:
             continue
         messages.append({"role": "user", "content": line})
         reply = ""
-        for event in model.stream_chat(messages, template=args.template, **_sampling_kwargs(args)):
+        for event in model.stream_chat(_with_image(messages, args), template=args.template, image=pixels,
+                                       **_sampling_kwargs(args)):
             reply = event.text
             if source:
                 print(event.delta, end="", flush=True)
@@ -236,17 +320,27 @@ def run_chat(args) -> None:
 
 
 def run_serve(args) -> None:
+    from accessory.data.images import ImageLimits
+    from accessory.serve.api import ImageOptions
     from accessory.serve.server import serve
 
     name = args.model_name or (os.path.basename(os.path.normpath(args.pretrained_path[-1])) if args.pretrained_path
                                else DEFAULT_MODEL_NAME)
-    serve(lambda: load_model(args), args.host, args.port, name, args.api_key, args.template, args.max_queue, args.shutdown_grace,
-          max_request_bytes=args.max_request_bytes, special_tokens_in_prompt=args.allow_special_tokens_in_prompt,
-          keepalive_s=args.sse_keepalive)
+    images = ImageOptions(ImageLimits(args.max_image_bytes, args.max_image_pixels), args.allow_local_images,
+                          args.image_transform)
+    serve(lambda: load_model(args), args.host, args.port, name, args.api_key, args.template, args.max_queue,
+          args.shutdown_grace, max_request_bytes=args.max_request_bytes or request_bytes_for(args.max_image_bytes),
+          special_tokens_in_prompt=args.allow_special_tokens_in_prompt, keepalive_s=args.sse_keepalive,
+          images=images)
 
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_MAX_REQUEST_BYTES = 8_000_000
+TEXT_REQUEST_BYTES = 8_000_000  # a request's room for its text, beside its image
+
+
+def request_bytes_for(max_image_bytes: int) -> int:
+    """The default body limit: the text's room plus one image at the limit as base64 (4 characters per 3 bytes)."""
+    return TEXT_REQUEST_BYTES + 4 * -(-max_image_bytes // 3)
 
 
 KEEPALIVE_S = 30.0  # while the user types, how often the source rank tells the others it is still waiting
@@ -298,13 +392,17 @@ def _add_batch_verb(verbs) -> None:
     sampling.add_argument("--template", help="conversation template for \"messages\" records (default: the "
                           "model's own chat template)")
     job = batch.add_argument_group("batch")
-    job.add_argument("--input", required=True, help="JSONL: {\"id\", \"prompt\"} or {\"id\", \"messages\"} per line")
+    job.add_argument("--input", required=True, help="JSONL: {\"id\", \"prompt\"} or {\"id\", \"messages\"} per line, "
+                     "each with an optional \"image\": \"FILE\" for a vision-language model (a relative path is "
+                     "taken from the input file's folder; under torchrun every group's rank 0 reads it, so on several "
+                     "machines it must be on a filesystem they share)")
     job.add_argument("--output", required=True, help="JSONL of {\"id\", \"output\", ...}; a rerun skips ids already "
                      "in it or in its OUTPUT.part-* files")
     job.add_argument("--mp", type=positive_int, default=1, help="model-parallel ranks per group; the world size "
                      "must be a multiple (data-parallel groups = world / mp)")
     job.add_argument("--batch_size", type=positive_int, help="rows in flight per group (the same as "
                      "--max_batch_size, which it overrides; default 8)")
+    add_image_args(batch)
     batch.set_defaults(handler=run_batch, max_batch_size=8)
 
 
@@ -315,7 +413,7 @@ def run_batch(args) -> None:
 
     args.max_batch_size = args.batch_size or args.max_batch_size
     options = BatchOptions(Path(args.input), Path(args.output), args.mp, args.max_batch_size, args.template,
-                           args.max_seq_len)
+                           args.max_seq_len, args.image_transform)
     run(options, _sampling_kwargs(args), lambda group: load_model(args, group))
 
 
@@ -548,6 +646,14 @@ def _checked(convert, ok, expected: str):
             raise argparse.ArgumentTypeError(f"must be {expected}, got {value}")
         return x
     return parse
+
+
+def _image_transform(name: str) -> str:
+    from accessory.data.transform import TRANSFORMS
+
+    if name not in TRANSFORMS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(TRANSFORMS)}, got {name}")
+    return name
 
 
 def _chat_template_file(path: str) -> str:

@@ -1,5 +1,5 @@
-"""A live `accessory serve` for the tests: the built-in model at 3 ranks under torchrun, and the helpers that ask it
-(the conftest's `server` fixture starts one and shares it)."""
+"""A live `accessory serve` for the tests: the built-in model at 3 ranks under torchrun (or what `extra_args` and
+`nproc` say), and the helpers that ask it (the conftest's `server` fixture starts one and shares it)."""
 from __future__ import annotations
 
 import os
@@ -19,12 +19,12 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 class Server:
-    def __init__(self, tmp_path, *extra_args: str):
+    def __init__(self, tmp_path, *extra_args: str, nproc: int = 3):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp_path / "serve.log"
         self.log = open(self.log_path, "w")
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", "--rdzv-backend=c10d",
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
                    f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "accessory", "serve", "--port", str(self.port),
                    "--api-key", KEY, "--max_seq_len", "512", "--max_batch_size", "8", "--shutdown-grace", "60",
                    *extra_args]

@@ -15,20 +15,23 @@ import json
 import re
 import secrets
 import time
+from dataclasses import dataclass
 from typing import Annotated, Literal, Optional, Sequence, Union
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from accessory.data.images import ImageError, ImageLimits, image_from_url
 from accessory.generation.chat import render_chat
 from accessory.generation.constraints import Constraint, ConstraintError
 from accessory.generation.sampling import LOGIT_BIAS_RANGE, MAX_LOGPROBS, PENALTY_RANGE, REPETITION_PENALTY_RANGE
 from accessory.generation.scheduler import Event
+from accessory.model.tokenizer import IMAGE_PLACEHOLDER
 from accessory.serve.engine import GenerationService, Handle, QueueFull, ServiceClosed
 
 DISCONNECT_POLL_S = 1.0  # how often a request with no new text checks whether its client is still there
@@ -104,14 +107,27 @@ class TextPart(Strict):
     text: str
 
 
-class OtherPart(BaseModel):  # images, audio, files: named in the refusal
+class ImageURL(Strict):
+    url: str  # data:image/...;base64,... (or a local file, where the server allows them)
+    detail: Optional[Literal["auto", "low", "high"]] = None  # taken, not used: LLaVA sees every image at one size
+
+
+class ImagePart(Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class OtherPart(BaseModel):  # audio, files, and malformed text or image parts: named in the refusal
     model_config = ConfigDict(extra="allow")
     type: str
 
 
+PART_MODELS = {"text": TextPart, "image_url": ImagePart}
+
+
 class Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[None, str, list[Union[TextPart, OtherPart]]] = None
+    content: Union[None, str, list[Union[TextPart, ImagePart, OtherPart]]] = None
     name: Optional[str] = None
     tool_calls: Optional[list[dict]] = None
     tool_call_id: Optional[str] = None
@@ -144,6 +160,15 @@ class DetokenizeRequest(Strict):
     tokens: list[int]
 
 
+@dataclass(frozen=True)
+class ImageOptions:
+    """How chat messages' image parts are read: the limits on each image, whether `image_url` may name a file on
+    this machine (the server's --allow-local-images), and the transform to the model's pixels."""
+    limits: ImageLimits = ImageLimits()
+    allow_local_files: bool = False
+    transform: str = "padded_resize"
+
+
 class ServiceSlot:
     """Where the app finds its service: empty while the model loads (every endpoint but /health then says 503)."""
 
@@ -159,12 +184,14 @@ class ServiceSlot:
 
 def create_app(service: Union[GenerationService, ServiceSlot, None], model_name: str, api_key: Optional[str] = None,
                template: Optional[str] = None, max_request_bytes: int = 8_000_000,
-               special_tokens_in_prompt: bool = False, keepalive_s: float = SSE_KEEPALIVE_S) -> FastAPI:
+               special_tokens_in_prompt: bool = False, keepalive_s: float = SSE_KEEPALIVE_S,
+               images: ImageOptions = ImageOptions()) -> FastAPI:
     """The app for `service` (or the ServiceSlot it will be put in once loaded). `template`: a LLaMA2-Accessory
     conversation template for chat (default: the model's own chat template). A body over `max_request_bytes` is
     refused with 413 before it is read whole. Special tokens' text in messages is always plain text; in a
     completion's prompt too, unless `special_tokens_in_prompt`. A stream silent for `keepalive_s` seconds sends an
-    SSE comment. /health and /metrics need no API key."""
+    SSE comment. A vision-language model takes one image per chat request, read as `images` says. /health and
+    /metrics need no API key."""
     app = FastAPI(title="accessory", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=max_request_bytes)
     slot = service if isinstance(service, ServiceSlot) else ServiceSlot(service)
@@ -260,16 +287,20 @@ def create_app(service: Union[GenerationService, ServiceSlot, None], model_name:
     async def chat_completions(body: ChatRequest, request: Request):
         service = slot.get()
         options = check_common(body, model_name, service.rows)
-        messages = [plain_message(m, f"messages.{i}") for i, m in enumerate(body.messages)]
+        messages, image = chat_messages(body.messages, service.model.llma.image_tokens > 0)
         tools = chat_tools(body)
         limit = body.max_completion_tokens or body.max_tokens
         top = body.top_logprobs
         if top is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
         sampling = sampling_of(body, limit, (top or 0) if body.logprobs else None)
-        handle = await submit(lambda loop: service.submit_chat(messages, sampling, template, stops(body), loop,
-                                                               tools=tools, **options, **labels(request, body)),
-                              body)
+
+        def make(loop):  # in a worker thread: decoding an image takes time too
+            pixels = image and image_pixels(service.model, image, images)
+            return service.submit_chat(messages, sampling, template, stops(body), loop, tools=tools, image=pixels,
+                                       **options, **labels(request, body))
+
+        handle = await submit(make, body)
         return await respond(Chat(service.model.tokenizer), body, handle, request,
                              head(model_name, service, handle, request))
 
@@ -286,8 +317,13 @@ def create_app(service: Union[GenerationService, ServiceSlot, None], model_name:
             tokens = await run_in_threadpool(tokenizer.encode, body.prompt, body.add_special_tokens, False,
                                              special=special_tokens_in_prompt)
         else:
-            messages = [plain_message(m, f"messages.{i}") for i, m in enumerate(body.messages)]
-            tokens = await submit_free(lambda: service.encode(render_chat(tokenizer, messages, template)[0]))
+            messages, image = chat_messages(body.messages, service.model.llma.image_tokens > 0)
+
+            def count():  # the image is read as a chat request reads it: a bad one is refused here too
+                pixels = image and image_pixels(service.model, image, images)
+                return service.encode(render_chat(tokenizer, messages, template)[0], True, pixels is not None)
+
+            tokens = await submit_free(count)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": service.columns}
 
     @app.post("/detokenize")
@@ -437,15 +473,37 @@ def check_token_ids(tokens: list[int], vocab_size: int, field: str) -> None:
                        param=field)
 
 
-def plain_message(message: Message, where: str) -> dict:
-    """An OpenAI message as the chat template reads it: its text parts joined into one string."""
+@dataclass(frozen=True)
+class ImageRef:
+    """A request's image part: its URL, and where the part is (messages.i.content.j), named in errors."""
+    url: str
+    part: str
+
+    @property
+    def field(self) -> str:
+        return f"{self.part}.image_url.url"
+
+
+def chat_messages(messages: list[Message], reads_images: bool) -> tuple[list[dict], Optional[ImageRef]]:
+    """The messages as the chat template reads them, and their image if a part holds one (one per request:
+    LLaVA-1.5 takes one image)."""
+    found: list[ImageRef] = []
+    plain = [plain_message(m, f"messages.{i}", reads_images, found) for i, m in enumerate(messages)]
+    if len(found) > 1:
+        raise APIError(400, f"{found[1].part}: a second image ({found[0].part} is the first); this model takes one "
+                            f"image per request", param=found[1].part)
+    return plain, found[0] if found else None
+
+
+def plain_message(message: Message, where: str, reads_images: bool, images: list) -> dict:
+    """An OpenAI message as the chat template reads it: its parts joined into one string, each image part as the
+    "<image>" placeholder at its place (its URL added to `images`)."""
     content = message.content
     if isinstance(content, list):
-        for i, part in enumerate(content):
-            if not isinstance(part, TextPart):
-                raise APIError(400, f"{where}.content.{i}: {part.type!r} parts are not supported: this model "
-                                    f"reads text only", param=f"{where}.content.{i}")
-        content = "\n".join(part.text for part in content)
+        content = "\n".join(part_text(part, f"{where}.content.{i}", message.role, reads_images, images)
+                            for i, part in enumerate(content))
+    elif reads_images and content is not None:
+        check_no_placeholder(content, f"{where}.content")
     if content is None and not message.tool_calls:
         raise APIError(400, f"{where}.content: required (it may be null only beside tool_calls)",
                        param=f"{where}.content")
@@ -456,6 +514,56 @@ def plain_message(message: Message, where: str) -> dict:
         if getattr(message, key) is not None:
             plain[key] = getattr(message, key)
     return plain
+
+
+def part_text(part, where: str, role: str, reads_images: bool, images: list) -> str:
+    """A content part's text; an image part's is the placeholder. Other kinds are refused by name."""
+    if isinstance(part, OtherPart) and part.type in PART_MODELS:  # a text or image part with a wrong field
+        check_part(part, PART_MODELS[part.type], where)
+    if isinstance(part, TextPart):
+        if reads_images:
+            check_no_placeholder(part.text, f"{where}.text")
+        return part.text
+    if not isinstance(part, ImagePart):
+        taken = "text and image_url parts" if reads_images else "text parts"
+        raise APIError(400, f"{where}: {part.type!r} parts are not supported: this model takes {taken}",
+                       param=where)
+    if not reads_images:
+        raise APIError(400, f"{where}: 'image_url' parts are not supported: this model reads text only",
+                       param=where)
+    if role != "user":
+        raise APIError(400, f"{where}: an image in a {role!r} message; images go in user messages", param=where)
+    images.append(ImageRef(part.image_url.url, where))
+    return IMAGE_PLACEHOLDER
+
+
+def check_no_placeholder(text: str, field: str) -> None:
+    """The image placeholder in a message's text would be a second image, or one without pixels."""
+    if IMAGE_PLACEHOLDER in text:
+        raise APIError(400, f"{field}: holds the image placeholder {IMAGE_PLACEHOLDER!r} as text; send the image as "
+                            f"an image_url part (its place among the parts says where it goes)", param=field)
+
+
+def check_part(part: OtherPart, model: type[BaseModel], where: str) -> None:
+    """Raise the 400 that names what is wrong in a part of a known kind (the union took it as an other part)."""
+    try:
+        model.model_validate(part.model_dump())
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join([where, *map(str, first["loc"])])
+        message = "not a field this server takes" if first["type"] == "extra_forbidden" else first["msg"]
+        raise APIError(400, f"{field}: {message}", param=field) from None
+
+
+def image_pixels(model, image: ImageRef, options: ImageOptions) -> torch.Tensor:
+    """The image's pixels for `model` (decoding is CPU work: call this in a worker thread); a bad image is a 400
+    naming its field."""
+    try:
+        decoded = image_from_url(image.url, image.field, options.limits, options.allow_local_files)
+        return model.image_transform(options.transform)(decoded)
+    except ImageError as e:
+        message = str(e) if str(e).startswith(image.field) else f"{image.field}: {e}"  # the transform's: unnamed
+        raise APIError(400, message, param=image.field) from None
 
 
 def chat_tools(body: ChatRequest) -> Optional[list[dict]]:

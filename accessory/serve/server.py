@@ -19,16 +19,18 @@ log = logging.getLogger(__name__)
 def serve(load: Callable[[], object], host: str = "127.0.0.1", port: int = 8000, model_name: str = "default",
           api_key: Optional[str] = None, template: Optional[str] = None, max_queue: int = 64,
           grace_s: float = 30.0, max_request_bytes: int = 8_000_000, special_tokens_in_prompt: bool = False,
-          keepalive_s: float = 10.0) -> None:
+          keepalive_s: float = 10.0, images=None) -> None:
     """Load the model with `load()` (on every rank) and serve it until SIGTERM or SIGINT (then finish what runs,
-    for up to grace_s, and return on every rank)."""
-    from accessory.serve.api import ServiceSlot
+    for up to grace_s, and return on every rank). `images`: how chat messages' images are read (an
+    `api.ImageOptions`; default: its defaults)."""
+    from accessory.serve.api import ImageOptions, ServiceSlot
 
     slot, server, thread = ServiceSlot(), None, None
     if not dist.is_initialized() or dist.get_rank() == 0:  # the source rank of the whole world, which serve uses
         server, thread = _start_http(slot, host, port, model_name, api_key, template,
                                      dict(max_request_bytes=max_request_bytes, keepalive_s=keepalive_s,
-                                          special_tokens_in_prompt=special_tokens_in_prompt))
+                                          special_tokens_in_prompt=special_tokens_in_prompt,
+                                          images=images or ImageOptions()))
     model = load()
     service = GenerationService(model, max_queue=max_queue, grace_s=grace_s, metrics=True)
     service.install_signal_handlers()

@@ -80,6 +80,12 @@ def test_generate_and_stream_generate_take_images(llava, pictures):
     sampled = [llava.generate([PROMPT], images=pictures[:1], max_gen_len=STEPS, temperature=0.8, seed=5)
                for _ in range(2)]
     assert sampled[0] == sampled[1]  # seeds reproduce with images too
+    # LLaVA's table has rows past the tokenizer's (here 32064 and 32000): they are never sampled, and a penalty
+    # over a prompt holding image tokens (id 32000) reads only the tokenizer's ids
+    assert llava.engine.vocab_size == llava.tokenizer.n_words == 32000 < llava.llma.args.vocab_size
+    tokens = greedy_ids(llava, [llava.encode_prompt(PROMPT, image=True)], 40, images=pictures[:1], temperature=5.0,
+                        repetition_penalty=1.3)[0]
+    assert len(tokens) == 40 and max(tokens) < 32000
     stop = texts[0][len(texts[0]) // 2:][:3]
     cut = llava.generate([PROMPT], images=pictures[:1], max_gen_len=STEPS, additional_stop_symbols=[stop])
     assert cut[0] == texts[0][:texts[0].index(stop)]  # stop symbols cut as for text

@@ -80,6 +80,9 @@ class Engine:
             raise ConfigError("compile=True on the CPU needs a C++ compiler (torch's inductor writes C++): install "
                               "one (g++), or run without --compile")
         self.decode_step = compiled(model.decode, model.device) if settings.compile else model.decode
+        # The ids it samples from: the model's rows the tokenizer can write. LLaVA pads its table past the
+        # tokenizer's (32064 rows, 32002 tokens), and an id the tokenizer cannot decode would end the request.
+        self.vocab_size = min(model.args.vocab_size, tokenizer.n_words)
         self.stats = PrefillStats()  # the same on every rank
 
     def configured(self, **changes) -> "Engine":
@@ -94,7 +97,7 @@ class Engine:
         """A scheduler for `rows` rows on the source rank; None on the others."""
         if not self.ctx.is_source:
             return None
-        return Scheduler(self.tokenizer, self.stop_ids, rows, self.model.args.vocab_size, self.model.device,
+        return Scheduler(self.tokenizer, self.stop_ids, rows, self.vocab_size, self.model.device,
                          idle_wait_s)
 
     def stream(self, requests: list[Request]) -> Iterator[list[Event]]:
@@ -212,7 +215,7 @@ class Batch:
             return None, scored
         local = local[0] if len(local) == 1 else torch.cat(local)
         logits = self.engine.ctx.gather_to_source(local)  # (rows, vocab padded to the ranks)
-        return (None if logits is None else logits[:, :self.model.args.vocab_size]), scored
+        return (None if logits is None else logits[:, :self.engine.vocab_size]), scored
 
     def _score(self, tokens: tuple[int, ...]) -> torch.Tensor:
         """The logits of every position of `tokens`, on every rank (a forward pass of its own, nothing cached:

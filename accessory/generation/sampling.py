@@ -102,7 +102,7 @@ class Penalties:
         self.seen = self.counts = self.bias = None
         if params.repetition_penalty != 1.0:
             self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-            self.seen[torch.tensor(prompt, device=device)] = True
+            self.seen[torch.tensor([t for t in prompt if t < vocab_size], dtype=torch.long, device=device)] = True
         if params.presence_penalty or params.frequency_penalty:
             self.counts = torch.zeros(vocab_size, device=device)
         if params.logit_bias:

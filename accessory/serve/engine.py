@@ -225,7 +225,7 @@ class GenerationService:
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.model.args.vocab_size
+        return self.engine.vocab_size
 
     def shutdown(self) -> None:
         """Take no new requests; finish the accepted ones (cancelled after grace_s); then `run()` returns."""

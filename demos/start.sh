@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Ask which model, how many ranks, which demo and which port, then launch that demo under torchrun.
+# Ask which model, how many ranks, which demo (text, or about an image) and which port, then launch that demo under
+# torchrun.
 #
 #   demos/start.sh                     answer the questions (Enter takes the [default])
 #   demos/start.sh --print             answer them, print the command, run nothing
@@ -34,12 +35,17 @@ if [[ -n "$checkpoint" && ! -d "$checkpoint" ]]; then fail "no such checkpoint f
 ranks=$(ask "Model-parallel ranks (one process each; the built-in model runs at 1, 3 or 9)" "1")
 [[ "$ranks" =~ ^[1-9][0-9]*$ ]] || fail "ranks must be a positive integer, got '$ranks'"
 
-demo=$(ask "single or multi turn (single: each question alone; multi: a conversation)" "multi")
+demo=$(ask "single or multi turn (single: each question alone; multi: a conversation; single_mm, multi_mm: the same about an uploaded image)" "multi")
 case "$demo" in
     single | single_turn) script=$repo/demos/single_turn.py ;;
     multi | multi_turn) script=$repo/demos/multi_turn.py ;;
-    *) fail "answer single or multi, got '$demo'" ;;
+    single_mm | single_turn_mm) script=$repo/demos/single_turn_mm.py ;;
+    multi_mm | multi_turn_mm) script=$repo/demos/multi_turn_mm.py ;;
+    *) fail "answer single, multi, single_mm or multi_mm, got '$demo'" ;;
 esac
+if [[ "$script" == *_mm.py && -z "$checkpoint" ]]; then
+    fail "the image demos need a vision-language checkpoint folder (llama_type 'llava'); the built-in model reads text only"
+fi
 
 port=$(ask "Port for the page" "7860")
 [[ "$port" =~ ^[1-9][0-9]*$ && "$port" -le 65535 ]] || fail "port must be 1-65535, got '$port'"

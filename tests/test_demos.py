@@ -1,6 +1,7 @@
 """The gradio chat demos (demos/): the page in a real browser (headless Debian chromium through selenium) against
-the default model, multi-turn at 3 ranks under torchrun and single-turn alone, each stopped by SIGTERM; and, without
-a browser, what each demo sends to the generation service, and the command demos/start.sh builds.
+the default model, multi-turn at 3 ranks under torchrun and single-turn alone, and multi-turn about an image against
+a tiny LLaVA, each stopped by SIGTERM; and, without a browser, what each demo sends to the generation service, and
+the command demos/start.sh builds.
 
 ACCESSORY_DEMO_SCREENSHOT=docs/demo-multi-turn.png refreshes the screenshot in docs/demos.md from the 3-rank run.
 """
@@ -24,6 +25,7 @@ sys.path.insert(0, str(REPO / "demos"))  # the demos are scripts, not a package:
 import chat_ui  # noqa: E402
 import multi_turn  # noqa: E402
 import single_turn  # noqa: E402
+import single_turn_mm  # noqa: E402
 
 from accessory.generation.scheduler import Event  # noqa: E402
 
@@ -84,6 +86,42 @@ def test_single_turn_alone_holds_back_the_template_separator_and_undoes(smollm2_
     assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
 
 
+@needs_chromium
+def test_multi_turn_mm_answers_about_an_uploaded_photo_as_the_model_does(tiny_llava, photo, browser, tmp_path):
+    """One process, a tiny random LLaVA: a picture uploaded in the page gives, turn after turn, the greedy answers
+    the model gives in-process to the same messages (the image's placeholder in the first user message only) and
+    pixels; a new upload starts a new conversation. The picture is the photo's top half: not square, so that
+    padding and cropping it to a square give different answers."""
+    from PIL import Image
+
+    from accessory.model.meta import MetaModel
+
+    port, log, picture = free_port(), tmp_path / "demo.log", tmp_path / "top-half.png"
+    demo = start([sys.executable, "demos/multi_turn_mm.py", "--pretrained_path", str(tiny_llava["accessory"]),
+                  "--port", str(port), "--max_gen_len", "12"], log)
+    image = Image.open(photo).convert("RGB")
+    image.crop((0, 0, image.width, image.height // 2)).save(picture)
+    model = MetaModel.from_pretrained(tiny_llava["accessory"], with_visual=True, max_seq_len=512)
+    pixels = model.image_transform("padded_resize")(Image.open(picture))
+    try:
+        page = ChatPage(browser, port, demo, log)
+        page.upload(picture)
+        messages = []
+        for question in ("<image>\nWhat is in the picture?", "What colour is it?"):
+            page.ask(question.removeprefix("<image>\n"))
+            messages.append({"role": "user", "content": question})
+            expected = model.chat(messages, max_gen_len=12, image=pixels)
+            assert page.answer().split() == expected.split(), messages  # markdown folds runs of spaces
+            messages.append({"role": "assistant", "content": expected})
+        page.upload(photo)
+        page.wait_for(lambda: "What is" not in page.chat_text(), "the conversation to be cleared")
+        demo.send_signal(signal.SIGTERM)
+        assert wait(demo) == 0, log.read_text()[-3000:]
+    finally:
+        kill(demo)
+    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+
+
 # ---- the browser and the launch -----------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -112,6 +150,9 @@ new MutationObserver(() => window.chatSeen.push(
 """.replace("HEADING", HEADING)
 
 
+BOT = "#chatbot [data-testid='bot']"  # the model's messages
+
+
 class ChatPage:
     def __init__(self, driver, port: int, demo: subprocess.Popen, log: Path):
         self.driver, self.demo, self.log = driver, demo, log
@@ -126,14 +167,22 @@ class ChatPage:
         from selenium.webdriver.common.keys import Keys
 
         self.driver.execute_script(RECORD_CHAT)
+        answers = len(self.find_all(BOT))  # until this answer starts, the status tells the last one's end
         self.find("#message textarea").send_keys(question + (Keys.ENTER if by_enter else ""))
         if not by_enter:
             self.click("submit")
-        self.wait_for(lambda: self.text("#status").startswith(("Done", "Cut")), "the answer to end")
+        self.wait_for(lambda: len(self.find_all(BOT)) > answers and self.text("#status").startswith(("Done", "Cut")),
+                      "the answer to end")
         return self.driver.execute_script("return window.chatSeen")
 
+    def upload(self, image: Path) -> None:
+        """Choose `image` in the image box, and wait until the page has started a new conversation for it."""
+        self.wait_for(lambda: self.find("#image input[type=file]"), "the image box")
+        self.find("#image input[type=file]").send_keys(str(image))
+        self.wait_for(lambda: self.text("#status") == "A new conversation about this image.", "the upload")
+
     def answer(self) -> str:
-        return self.text("#chatbot [data-testid='bot']")
+        return self.text(BOT)
 
     def chat_text(self) -> str:
         return self.text("#chatbot")
@@ -146,10 +195,13 @@ class ChatPage:
         return element.text if element is not None else ""
 
     def find(self, css: str):
+        found = self.find_all(css)
+        return found[-1] if found else None
+
+    def find_all(self, css: str) -> list:
         from selenium.webdriver.common.by import By
 
-        found = self.driver.find_elements(By.CSS_SELECTOR, css)
-        return found[-1] if found else None
+        return self.driver.find_elements(By.CSS_SELECTOR, css)
 
     def wait_for(self, ok, what: str, timeout: float = 120) -> None:
         deadline = time.time() + timeout
@@ -232,8 +284,8 @@ class FakeService:
     def __init__(self, texts: list[str], finish: str = "stop"):
         self.texts, self.finish, self.requests, self.cancelled = texts, finish, [], 0
 
-    def submit_chat(self, messages, sampling, template=None):
-        self.requests.append((messages, sampling, template))
+    def submit_chat(self, messages, sampling, template=None, image=None):
+        self.requests.append((messages, sampling, template, image))
         return FakeHandle(self)
 
 
@@ -257,8 +309,8 @@ SETTINGS = dict(template=chat_ui.MODEL_TEMPLATE, system="", max_gen_len=48, temp
 EARLIER = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
 
 
-def reply(service, context, text="Why?", history=EARLIER, **settings) -> list[tuple]:
-    return list(chat_ui.stream_reply(service, context, text, history, *{**SETTINGS, **settings}.values()))
+def reply(service, context, text="Why?", history=EARLIER, image=None, **settings) -> list[tuple]:
+    return list(chat_ui.stream_reply(service, context, text, history, image, *{**SETTINGS, **settings}.values()))
 
 
 def test_multi_turn_sends_the_whole_conversation_and_single_turn_the_question_alone():
@@ -274,8 +326,8 @@ def test_a_reply_streams_into_the_history_with_the_page_settings():
     service = FakeService(["Be", "Because."], finish="length")
     steps = reply(service, multi_turn.whole_conversation, system="Be brief.", template="vicuna_v1_1", seed="7",
                   top_k=40, temperature=0.5)
-    messages, sampling, template = service.requests[0]
-    assert messages[0] == {"role": "system", "content": "Be brief."} and template == "vicuna_v1_1"
+    messages, sampling, template, image = service.requests[0]
+    assert messages[0] == {"role": "system", "content": "Be brief."} and template == "vicuna_v1_1" and image is None
     assert sampling == dict(max_gen_len=48, temperature=0.5, top_p=0.95, top_k=40, repetition_penalty=1.0, seed=7)
     box, history, chatbot, status = steps[-1]
     assert box == "" and history[-1] == {"role": "assistant", "content": "Because."}
@@ -288,7 +340,7 @@ def test_a_reply_streams_into_the_history_with_the_page_settings():
 
 def test_closing_a_reply_early_cancels_its_request_and_a_finished_one_does_not():
     service = FakeService(["Be", "Because."])
-    steps = chat_ui.stream_reply(service, multi_turn.whole_conversation, "Why?", [], *SETTINGS.values())
+    steps = chat_ui.stream_reply(service, multi_turn.whole_conversation, "Why?", [], None, *SETTINGS.values())
     next(steps), next(steps)  # the question shown, then the first event; then Stop closes the generator
     steps.close()
     assert service.cancelled == 1
@@ -304,6 +356,46 @@ def test_an_empty_message_or_a_bad_seed_sends_nothing():
     with pytest.raises(gr.Error, match="seed must be an integer"):
         reply(service, multi_turn.whole_conversation, seed="one")
     assert service.requests == []
+
+
+def test_with_an_image_its_placeholder_leads_the_first_user_message_the_model_sees():
+    """Multi-turn: once, before the conversation (after the system message); single-turn: before the question."""
+    multi, single, pixels = FakeService(["It is"]), FakeService(["It is"]), object()
+    reply(multi, multi_turn.whole_conversation, image=pixels, system="Be brief.")
+    reply(single, single_turn_mm.last_question, image=pixels)
+    messages, *_, image = multi.requests[0]
+    assert image is pixels and messages == [{"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": "<image>\nHi"}, EARLIER[1],
+                                            {"role": "user", "content": "Why?"}]
+    assert single.requests[0][0] == [{"role": "user", "content": "<image>\nWhy?"}] and single.requests[0][3] is pixels
+
+
+def test_an_upload_becomes_pixels_through_the_image_limits(photo, tmp_path):
+    import gradio as gr
+    from PIL import Image
+
+    from accessory.data.transform import get_transform
+
+    transform = get_transform("padded_resize", 112)
+    assert chat_ui.read_image(str(photo), transform).equal(transform(Image.open(photo).convert("RGB")))
+    assert chat_ui.read_image(None, transform) is None
+    (tmp_path / "notes.png").write_text("not a picture")
+    with pytest.raises(gr.Error, match=f"the image cannot be used: {tmp_path}/notes.png: not a readable image"):
+        chat_ui.read_image(str(tmp_path / "notes.png"), transform)
+
+
+def test_image_demos_refuse_a_text_model_before_serving(tiny_checkpoints, capsys):
+    """Without --pretrained_path, before anything loads; with a text checkpoint, once it has loaded."""
+    with pytest.raises(SystemExit) as exit:
+        chat_ui.parse_args("demo", [], image=True)
+    assert exit.value.code == 2 and "--pretrained_path (the built-in SmolLM2" in capsys.readouterr().err
+    folder = tiny_checkpoints["mha", 1]
+    result = subprocess.run([sys.executable, "demos/single_turn_mm.py", "--pretrained_path", str(folder), "--port",
+                             str(free_port())], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"{chat_ui.NEEDS_IMAGES}; {folder} holds a text model (llama_type 'llama')" in result.stderr
+    assert "demo page" not in result.stderr and "Traceback" not in result.stderr
 
 
 def test_undo_removes_the_last_exchange_even_if_its_answer_was_cut_off():
@@ -328,12 +420,15 @@ def test_start_sh_builds_the_torchrun_command_from_the_answers(tmp_path):
     assert start_sh(f"{tmp_path}\n\n\n\n", "--", "--temperature", "0.7").stdout.split()[4:] == [
         "--nproc-per-node=1", f"{demos}/multi_turn.py", "--port", "7860", "--pretrained_path", str(tmp_path),
         "--temperature", "0.7"]
+    assert start_sh(f"{tmp_path}\n2\nsingle_mm\n\n").stdout.split()[4:6] == [
+        "--nproc-per-node=2", f"{demos}/single_turn_mm.py"]
 
 
 @pytest.mark.parametrize("answers, message", [
     ("/no/such/folder\n", "no such checkpoint folder: /no/such/folder"),
     ("\nthree\n", "ranks must be a positive integer, got 'three'"),
-    ("\n1\nboth\n", "answer single or multi, got 'both'"),
+    ("\n1\nboth\n", "answer single, multi, single_mm or multi_mm, got 'both'"),
+    ("\n1\nmulti_mm\n", "the image demos need a vision-language checkpoint folder (llama_type 'llava')"),
     ("\n1\nmulti\n99999\n", "port must be 1-65535, got '99999'"),
 ])
 def test_start_sh_refuses_a_bad_answer_by_name(answers, message):

@@ -270,3 +270,15 @@ def test_error_types_and_limits():
             ImageLimits(**bad)
     with pytest.raises(ImageError, match="an image URL must be a string, got dict"):
         image_from_url({"url": "x"}, "image_url")
+
+
+def test_exif_orientation_is_applied():
+    """A phone photo stored sideways with an EXIF orientation tag reaches the model upright."""
+    image = Image.new("RGB", (40, 20), (255, 0, 0))
+    image.paste((0, 0, 255), (0, 0, 20, 20))  # left half blue
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 clockwise to view"
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", exif=exif)
+    upright = decode_image(buffer.getvalue(), "photo")
+    assert upright.size == (20, 40) and upright.getpixel((10, 5)) == (0, 0, 255)

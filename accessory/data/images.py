@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from PIL import Image
+from PIL import Image, ImageOps
 
 from accessory.errors import AccessoryError
 
@@ -50,7 +50,9 @@ def decode_image(data: bytes, what: str, limits: ImageLimits = ImageLimits()) ->
     try:
         with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:  # lazy: reads the header only
             _check_pixels(image.size, what, limits)
-            return image.convert("RGB")  # decodes every pixel, so any decode failure is raised in here
+            # decodes every pixel, so any decode failure is raised in here; a photo's EXIF orientation is applied,
+            # as transformers' load_image does: the model sees it upright, as a viewer shows it
+            return ImageOps.exif_transpose(image).convert("RGB")
     except ImageError:
         raise
     except Image.UnidentifiedImageError:

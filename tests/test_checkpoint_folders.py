@@ -70,13 +70,6 @@ def test_later_folders_override_earlier_ones(tiny_checkpoints, tmp_path):
     assert torch.equal(model.llma.norm.weight, torch.full((96,), 3.0))
 
 
-def test_not_built_yet_is_refused(tiny_checkpoints):
-    from accessory.model.meta import MetaModel
-
-    with pytest.raises(NotImplementedError, match="with_visual"):
-        MetaModel.from_pretrained(tiny_checkpoints["mha", 1], with_visual=True)
-
-
 def test_save_refuses_to_overwrite(tiny_checkpoints):
     from accessory.checkpoint.save import save_checkpoint
     from accessory.errors import CheckpointError
@@ -183,7 +176,7 @@ def test_shape_that_does_not_match_config(tiny_checkpoints, tmp_path):
 def test_unknown_llama_type(tiny_checkpoints, tmp_path):
     folder = copy_of(tiny_checkpoints["mha", 1], tmp_path)
     (folder / "meta.json").write_text(json.dumps({"llama_type": "llama_moe"}))
-    expect_error(folder, str(folder / "meta.json"), "unknown llama_type 'llama_moe'", "['llama', 'llama_peft']")
+    expect_error(folder, str(folder / "meta.json"), "unknown llama_type 'llama_moe'", "['llama', 'llama_peft', 'llava']")
     expect_error(tiny_checkpoints["mha", 1], "llama_type argument", "'llama_moe'", llama_type="llama_moe")
 
 

@@ -160,7 +160,7 @@ def test_tools_need_a_template_that_writes_them(server):
 
 # ---- structured output ---------------------------------------------------------------------------------------------
 
-def test_json_schema_output_validates_on_20_seeds(server):
+def test_json_schema_output_validates_on_8_seeds_decoding_together(server):
     client = server.client()
     ask = [{"role": "user", "content": "Invent a person: name and age, as JSON."}]
 
@@ -169,12 +169,12 @@ def test_json_schema_output_validates_on_20_seeds(server):
                     response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:  # they share the batch
-        answers = list(pool.map(person, range(20)))
+        answers = list(pool.map(person, range(8)))
     for answer in answers:
         choice = answer.choices[0]
         assert choice.finish_reason == "stop", choice
         jsonschema.validate(json.loads(choice.message.content), PERSON)
-    assert len({answer.choices[0].message.content for answer in answers}) > 10
+    assert len({answer.choices[0].message.content for answer in answers}) > 4
 
 
 def test_json_object_regex_and_choice(server):

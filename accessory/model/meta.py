@@ -277,7 +277,10 @@ class MetaModel(nn.Module):
         `generate` takes them: a text example's image goes where `encode_prompt` puts it; a token-id example must
         already hold its `image_tokens` image tokens."""
         images = self.ctx.broadcast_object(self.checked_images(images, len(examples)) if images is not None else None)
-        examples = self._tokenized(examples, bos, eos, images)
+        return self._logits(self._tokenized(examples, bos, eos, images), images)
+
+    def _logits(self, examples: list[list[int]], images: Optional[list]) -> list[torch.Tensor]:
+        """`compute_logits` of token ids (each rank's alike) and their checked images (or None)."""
         images = images or [None] * len(examples)
         logits = []
         for start in range(0, len(examples), self.max_batch_size):
@@ -312,7 +315,7 @@ class MetaModel(nn.Module):
                 if example[:len(context)] != context or not context:
                     raise ValueError(f"context {i} is empty or is not the start of example {i} once tokenized")
         result = {"log_likelihood": [], "ppl": [], "perplexity": [], "max_equal": [], "non_context_logits": []}
-        for i, logits in enumerate(self.compute_logits(tokens, images)):
+        for i, logits in enumerate(self._logits(tokens, images)):
             start = len(context_tokens[i]) - 1 if context_tokens is not None else 0
             predicting = logits[start:-1]
             labels = torch.tensor(tokens[i][start + 1:], device=logits.device)

@@ -13,6 +13,7 @@ docs/multimodal.md for why.
 """
 from __future__ import annotations
 
+import hashlib
 from typing import NamedTuple, Optional
 
 import torch
@@ -206,8 +207,6 @@ def check_pixels(pixels, channels: int, size: int, what: str) -> torch.Tensor:
 def image_key(pixels: torch.Tensor) -> int:
     """A 56-bit digest of an image's pixels: two prompts share a KV-cache prefix through an image only if it is the
     same image (the engine's prefix cache keys the image's positions on it)."""
-    import hashlib
-
     return int.from_bytes(hashlib.blake2b(pixels.numpy().tobytes(), digest_size=7).digest(), "little")
 
 

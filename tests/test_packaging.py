@@ -121,3 +121,40 @@ def test_license_is_apache_2():
     text = (REPO / "LICENSE").read_text()
     assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"] and "END OF TERMS AND CONDITIONS" in text
     assert (KEYWORDS["license"], KEYWORDS["license_files"]) == ("Apache-2.0", ["LICENSE"])
+
+
+def test_built_wheel_imports_every_module(tmp_path):
+    """A built wheel (not the editable install of `make setup`) holds every package, module and data file of the
+    source tree, and each of its modules imports from the unpacked wheel alone: a folder without `__init__.py` is
+    left out by find_packages, and `import accessory.model.meta` then failed on `accessory.quant`."""
+    import shutil
+    import zipfile
+
+    # Built from a copy: setuptools reuses a build/ folder left in the source tree, which can hide a missing package.
+    source = tmp_path / "source"
+    for folder in ("accessory", "configs"):
+        shutil.copytree(REPO / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("setup.py", "MANIFEST.in", "LICENSE"):
+        shutil.copy(REPO / name, source)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path / "dist"), str(source)], check=True, capture_output=True, cwd=tmp_path)
+    wheel, = (tmp_path / "dist").glob("accessory-*.whl")
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(site)
+        shipped = {name for name in archive.namelist() if name.startswith("accessory/")}
+    sources = {str(p.relative_to(REPO)) for p in (REPO / "accessory").rglob("*")
+               if p.suffix in (".py", ".c", ".cpp") and "__pycache__" not in p.parts}
+    configs = {"accessory/" + str(p.relative_to(REPO)) for p in (REPO / "configs").rglob("*.*")}
+    assert sources | configs <= shipped, f"missing from the wheel: {sorted((sources | configs) - shipped)}"
+    modules = sorted(name[:-3].replace("/", ".").removesuffix(".__init__") for name in shipped
+                     if name.endswith(".py"))
+    probe = ("import importlib, sys\n"
+             "for name in sys.argv[1:]:\n"
+             "    module = importlib.import_module(name)\n"
+             f"    assert module.__file__.startswith({str(site)!r}), (name, module.__file__)\n")
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    # -I: no user site, no current folder, no PYTHONPATH; the unpacked wheel is the only place accessory can be.
+    run = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(site)!r})\n" + probe,
+                          *modules], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]

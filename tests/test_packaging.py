@@ -2,9 +2,10 @@
 licence.
 
 The extras cannot drift from the code: every third-party module imported (at the top of a file or inside a
-function) by accessory/ must come from install_requires, by accessory/serve/ from it or the `serve` extra, by demos/
-from it or the `demo` extra, by tests/ from any of them or the `test` extra; and `serve` and `demo` hold nothing
-their part does not import. The pinned requirements files name every one of them, so `make setup` installs them.
+function) by accessory/ must come from install_requires (or the `cuda` extra: triton, for the GPU kernels), by
+accessory/serve/ from it or the `serve` extra, by demos/ from it or the `demo` extra, by tests/ from any of them or
+the `test` extra; and `serve` and `demo` hold nothing their part does not import. The pinned requirements files
+name every one of them, so `make setup` installs them.
 """
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ PARTS = {
 @pytest.mark.parametrize("part", PARTS)
 def test_extras_cover_what_each_part_imports(part):
     needed = imported_distributions(PARTS[part]) - CORE
-    declared = names(EXTRAS.get(part, []), EXTRAS)
+    declared = names(EXTRAS.get(part, []) + (EXTRAS["cuda"] if part == "core" else []), EXTRAS)
     if part in ("serve", "demo"):
         assert needed == declared, f"extras_require[{part!r}] must be what {part} imports"
     else:

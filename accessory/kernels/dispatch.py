@@ -5,7 +5,8 @@ torch path that computes the same values by other arithmetic.
   decode steps); F.linear (the BLAS library) for one row (its matrix-vector product is as fast: both stream W at the
   memory's speed), more rows, other dtypes and devices.
 - `quantized_linear`: x @ W^T for a quantized W. The kernels take up to KERNEL_MAX_ROWS rows of float32 x on the
-  CPU; more rows (prefill), other devices (CUDA) or no kernels: W is dequantized in row chunks for F.linear.
+  CPU, and up to MAX_ROWS rows of bfloat16 / float16 x on CUDA (Triton kernels, cuda.py); more rows (prefill),
+  float32 on CUDA, or no kernels: W is dequantized in row chunks for F.linear.
 - `decode_attention`: one query per cache row over that row's own cached positions. The kernel on the CPU with
   float32 caches; elsewhere, SDPA over the first `columns` columns with the position mask.
 
@@ -18,6 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from accessory.kernels.cuda import takes as cuda_takes
 from accessory.kernels.build import cpu_kernels, loaded
 from accessory.quant.formats import dequantize
 
@@ -49,6 +51,8 @@ def quantized_linear(x: torch.Tensor, fmt: str, q: torch.Tensor, scale: torch.Te
     if rows.shape[0] <= KERNEL_MAX_ROWS and _kernels_here(x.device):
         out = torch.ops.accessory.quantized_linear_cpu(rows.float().contiguous(), fmt, q, scale, minimum)
         out = out.to(x.dtype)
+    elif cuda_takes(rows):
+        out = torch.ops.accessory.quantized_linear_cuda(rows.contiguous(), fmt, q, scale, minimum)
     else:
         out = _dequantized_product(rows, fmt, q, scale, minimum)
     return out.reshape(*x.shape[:-1], q.shape[0])

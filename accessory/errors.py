@@ -20,3 +20,9 @@ class TokenizerError(AccessoryError, ValueError):
 class FailedInStep(AccessoryError):
     """A failure on one rank that the others have already been told of: every rank still ends in step, so the
     process group can be left normally (a port that was taken, say)."""
+
+
+class RanksDisagree(RuntimeError):
+    """The ranks of a model-parallel group are not at the same generation step: user code that differs between
+    ranks (a `break` out of `stream_generate` on some ranks only, a call that only some ranks make), or a rank that
+    stopped. Raised on every rank that can still raise; the group cannot be used after it."""

@@ -63,9 +63,9 @@ def test_compiled_decode_gives_the_eager_tokens_and_compiles_at_most_twice(tiny_
 
 
 def traffic_per_step(folder) -> tuple:
-    """Bytes this rank's engine sends or receives through broadcasts and gathers at each step of one long
-    generation (the model's all-reduces inside a step are the same size at every step of a batch), and the
-    texts. On the follower, detokenizing fails: it must never need text."""
+    """Bytes this rank's engine exchanges at each step of one long generation (the step header it adds up with the
+    other ranks, broadcasts and gathers; the model's all-reduces inside a step are the same size at every step of
+    a batch), the texts, and every event this rank's stream yielded (each rank detokenizes its own tokens)."""
     from accessory.generation.engine import Engine
     from accessory.model.meta import MetaModel
     from accessory.parallel import ParallelContext
@@ -73,12 +73,12 @@ def traffic_per_step(folder) -> tuple:
     model = MetaModel.from_pretrained(folder, max_seq_len=128)
     steps: list[dict] = []
     count = lambda kind, n: steps[-1].update({kind: steps[-1].get(kind, 0) + n}) if steps else None  # noqa: E731
-    originals = {name: getattr(ParallelContext, name) for name in ("broadcast", "broadcast_object",
+    originals = {name: getattr(ParallelContext, name) for name in ("sum_in_step", "broadcast_object",
                                                                    "gather_to_source")}
 
-    def broadcast(ctx, x):
+    def sum_in_step(ctx, x):
         count("tensor", x.nbytes)
-        return originals["broadcast"](ctx, x)
+        return originals["sum_in_step"](ctx, x)
 
     def broadcast_object(ctx, obj):
         obj = originals["broadcast_object"](ctx, obj)
@@ -95,23 +95,21 @@ def traffic_per_step(folder) -> tuple:
         steps.append({})
         return next_plan(engine, *args)
 
-    if not model.ctx.is_source:
-        model.tokenizer.decode = lambda *a, **k: (_ for _ in ()).throw(AssertionError("a follower detokenized"))
-    ParallelContext.broadcast, ParallelContext.broadcast_object = broadcast, broadcast_object
+    ParallelContext.sum_in_step, ParallelContext.broadcast_object = sum_in_step, broadcast_object
     ParallelContext.gather_to_source, Engine._next_plan = gather_to_source, marked
     model.stop_ids = set()
-    texts = model.generate(["The quick brown fox"], max_gen_len=100)
-    return steps, texts
+    events = [(e.text, e.delta) for e in model.stream_generate("The quick brown fox", max_gen_len=100)]
+    return steps, events[-1][0], events
 
 
-def test_nothing_sent_per_step_grows_with_the_output_and_followers_never_see_text(tiny_checkpoints):
+def test_nothing_sent_per_step_grows_with_the_output_and_every_rank_streams_alike(tiny_checkpoints):
     results = run_ranks(2, traffic_per_step, tiny_checkpoints["mha", 2])
     for rank, result in enumerate(results):
         assert not isinstance(result, Exception), result.rank_traceback
-        steps, texts = result
-        assert texts == results[0][1]  # every rank returns the text (sent once, at the end)
+        steps, text, events = result
+        assert (text, events) == results[0][1:] and len(events) > 10  # no text sent: each rank decodes its tokens
         decoding = steps[2:-1]  # after the prompt's prefill, before the last plan
         assert len(decoding) >= 95
         assert all(step == decoding[0] for step in decoding), f"rank {rank}: {decoding[0]} vs {decoding[-1]}"
         assert "object" not in decoding[0], "no pickled plan while the batch does not change"
-        assert decoding[0]["tensor"] <= 64  # the step header: status, rows, flags and one token per row
+        assert decoding[0]["tensor"] <= 96  # the step header: status, rows, flags, each row's token and end, places

@@ -1,11 +1,13 @@
 """The engine: continuous batching in lockstep over a model-parallel group, around a static decode step.
 
 Every rank runs the same steps and the source rank decides them: its `Scheduler` samples the last step's logits,
-detokenizes, emits events, and writes the next `Plan`. Per step the ranks exchange one small integer tensor of
-fixed size (status, kept rows, whether rows move, each row's next token); only when the batch changes (a row leaves
-from the middle, prompts join) does a second message carry which rows stay and the new prompts' token ids. No text
-ever leaves the source rank, and nothing sent per step grows with the length of the output. Each step's logits are
-gathered to the source rank alone.
+detokenizes, emits events, and writes the next `Plan`. Per step the ranks add up one small integer tensor of fixed
+size: the source rank's header (status, kept rows, whether rows move, each row's token and whether it ended) and
+every rank's place (which generation call, which step), so every rank checks that all are at the same step. Only
+when the batch changes (a row leaves from the middle, prompts join) does a second message carry which rows stay and
+the new prompts' token ids. No text is sent, and nothing sent per step grows with the length of the output. In
+`stream`, every rank holds the requests, and the other ranks' `Follower`s write the same events from the tokens, so
+every rank yields the same stream. Each step's logits are gathered to the source rank alone.
 
 A row's token at position p lives in KV-cache column p: rows at different positions share one cache, nothing is
 padded, and a row that leaves frees its cache row at once (a live row from the end takes its place). A step decodes
@@ -19,21 +21,25 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Collection, Iterator, Optional
 
 import torch
 
-from accessory.errors import ConfigError
+from accessory.errors import ConfigError, RanksDisagree
 from accessory.generation.prefix import RetainedRows, plan_reuse, waves
-from accessory.generation.scheduler import Event, Plan, Request, Scheduler
+from accessory.generation.scheduler import Event, Follower, Plan, Request, Scheduler
+from accessory.parallel.watchdog import announce_failure
 from accessory.model.components import Segment, decode_mask
 from accessory.model.vision import image_key
 
 log = logging.getLogger(__name__)
 
 RUN, DONE, FAILED = 0, 1, 2  # the status of a step, as sent
-HEADER = 3  # status, kept rows, rows move (then a second message follows)
+# The header's first fields (the source rank's; the others add zeros): then each stepped row's token, each one's
+# finish code, and one slot per rank for its place.
+STATUS, KEPT, MOVES, EXTRAS, STEPPED, HEADER = range(6)
 MIN_COLUMNS = 256  # the smallest KV-cache and attention width: widths are powers of two from here
 PREFILL_TOKENS = 4096  # prompt tokens prefilled in one forward pass at most (more run in several)
 
@@ -84,6 +90,7 @@ class Engine:
         # tokenizer's (32064 rows, 32002 tokens), and an id the tokenizer cannot decode would end the request.
         self.vocab_size = min(model.args.vocab_size, tokenizer.n_words)
         self.stats = PrefillStats()  # the same on every rank
+        self.calls = 0  # runs started: the same count on every rank that runs the same code
 
     def configured(self, **changes) -> "Engine":
         """An engine for the same model with some settings changed."""
@@ -101,9 +108,8 @@ class Engine:
                          idle_wait_s)
 
     def stream(self, requests: list[Request]) -> Iterator[list[Event]]:
-        """Complete `requests` (the source rank's count; each rank passes the same number), at most max_batch_size
-        at a time. On the source rank, after each step that changed any request: the latest Event of every request,
-        in order. Every rank ends with the final events (sent from the source rank once, at the end)."""
+        """Complete `requests` (every rank passes the same ones), at most max_batch_size at a time. After each step
+        that changed any request, on every rank: the latest Event of every request, in order."""
         rows = min(len(requests), self.settings.max_batch_size)
         columns = max(len(r.tokens) + r.params.max_gen_len for r in requests)
         scheduler = self.scheduler(rows)
@@ -113,38 +119,51 @@ class Engine:
                 scheduler.add(request)
             scheduler.close()
         row_of = {r.id: i for i, r in enumerate(requests)}
-        for events in self.run(scheduler, rows, columns, keep_finished=len(requests) > rows):
+        for events in self.run(scheduler, rows, columns, keep_finished=len(requests) > rows, requests=requests):
             latest = [replace(e, delta="") for e in latest]
             for event in events:
                 latest[row_of[event.id]] = event
             yield latest
-        final = self.ctx.broadcast_object(latest if self.ctx.is_source else None)
-        if not self.ctx.is_source:
-            yield final
 
-    def run(self, scheduler: Optional[Scheduler], rows: int, columns: int,
-            keep_finished: bool = True) -> Iterator[list[Event]]:
-        """Run steps until the source rank's scheduler is done, on every rank; yield each step's events (on the
-        source rank; nothing elsewhere). The KV cache holds `rows` rows of `columns` positions (rounded up), and
-        with the prefix cache and `keep_finished` (requests may join later), rows that keep finished sequences."""
+    def run(self, scheduler: Optional[Scheduler], rows: int, columns: int, keep_finished: bool = True,
+            requests: Optional[list[Request]] = None) -> Iterator[list[Event]]:
+        """Run steps until the source rank's scheduler is done, on every rank; yield each step's events: on the
+        source rank, and, when every rank holds the scheduler's `requests`, on every rank alike. The KV cache holds
+        `rows` rows of `columns` positions (rounded up), and with the prefix cache and `keep_finished` (requests
+        may join later), rows that keep finished sequences.
+
+        Closing the generator early on every rank at the same point (a `break` in user code that every rank runs)
+        ends the run there on every rank, and the group is ready for the next one. If only some ranks stop, every
+        rank that is still in a step raises RanksDisagree within the context's timeout_s: the events of such a run
+        are yielded after the step's forward pass, so a rank that stops reading has taken part in all of that
+        step's collectives, and the others next wait only where they check each other (`_share`)."""
         batch = Batch(self, rows, _bucket(columns, self.max_seq_len), keep_finished)
-        logits = None
+        followed = requests is not None
+        follower = Follower(requests, self.tokenizer) if followed and scheduler is None else None
+        self.calls += 1
+        logits, step = None, 0
         try:
             while True:
-                plan, events = self._next_plan(scheduler, logits, batch.rows)
-                if events:
+                plan, events = self._next_plan(scheduler, logits, batch.rows, follower, followed, step)
+                if events and (plan.done or not followed):
                     yield events
                 if plan.done:
                     return
-                logits, scored = batch.step(plan)
+                with self._alone():
+                    logits, scored = batch.step(plan)
+                if events and followed:
+                    yield events
                 if scored:
                     scheduler.receive_prompt_logits(scored)
+                step += 1
         finally:
             if self.model.cache_nbytes > self.settings.keep_cache_bytes:
                 self.model.free_caches()
 
-    def _next_plan(self, scheduler, logits, rows: int) -> tuple[Plan, list[Event]]:
-        """The source rank's plan for the next step, on every rank (with the events, on the source rank)."""
+    def _next_plan(self, scheduler, logits, rows: int, follower: Optional[Follower], followed: bool,
+                   step: int) -> tuple[Plan, list[Event]]:
+        """The source rank's plan for the next step, on every rank, with the step's events (on the source rank,
+        and on a follower's)."""
         plan, events, error = None, [], None
         if scheduler is not None:
             try:
@@ -155,27 +174,76 @@ class Engine:
             if error is not None:
                 raise error
             return plan, events
-        return self._share(plan, error, rows), events
+        plan, extras = self._share(plan, error, rows, scheduler.extras if followed and scheduler else (), step)
+        if follower is not None:
+            with self._alone():
+                events = follower.events(plan, list(extras))
+        return plan, events
 
-    def _share(self, plan: Optional[Plan], error: Optional[Exception], rows: int) -> Plan:
-        header = torch.zeros(HEADER + rows, dtype=torch.long, device=self.ctx.device)
-        if self.ctx.is_source:
+    @contextmanager
+    def _alone(self):
+        """Where a failure may be this rank's alone (a step, a follower's detokenizing): the others would wait for
+        this rank in their next collective, so their watchdogs are told to end them, naming this failure."""
+        try:
+            yield
+        except Exception as error:
+            if self.ctx.world_size > 1 and not isinstance(error, RanksDisagree):
+                announce_failure(f"{type(error).__name__}: {error} (generation call {self.calls})")
+            raise
+
+    def _share(self, plan: Optional[Plan], error: Optional[Exception], rows: int, extras: tuple,
+               step: int) -> tuple[Plan, tuple]:
+        """The source rank's plan and the events its followers cannot write themselves (`extras`), on every rank."""
+        ctx, places = self.ctx, HEADER + 2 * rows
+        header = torch.zeros(places + ctx.world_size, dtype=torch.long, device=ctx.device)
+        if ctx.is_source:
             status = FAILED if error is not None else DONE if plan.done else RUN
-            header[:HEADER] = torch.tensor([status, len(plan.keep) if plan else 0, int(bool(plan and plan.moves))])
-            if plan is not None and plan.tokens:
-                header[HEADER:HEADER + len(plan.tokens)] = torch.tensor(plan.tokens)
-        values = self.ctx.broadcast(header).tolist()
-        status, kept, moves = values[:HEADER]
-        if status == FAILED:
-            message = self.ctx.broadcast_object(f"{type(error).__name__}: {error}" if error else None)
+            results = plan.results if plan is not None else ()
+            header[:HEADER] = torch.tensor([status, len(plan.keep) if plan else 0, int(bool(plan and plan.moves)),
+                                            int(bool(extras)), len(results)])
+            if results:
+                tokens, codes = zip(*results)
+                header[HEADER:HEADER + len(results)] = torch.tensor(tokens)
+                header[HEADER + rows:HEADER + rows + len(results)] = torch.tensor(codes)
+        place = self.calls << 32 | step
+        header[places + ctx.rank] = place
+        values = self._sum_in_step(header, place).tolist()
+        self._check_places(values[places:], place)
+        if values[STATUS] == FAILED:
+            message = ctx.broadcast_object(f"{type(error).__name__}: {error}" if error else None)
             if error is not None:
                 raise error
             raise RuntimeError(f"model-parallel source rank failed: {message}")
-        keep, admit, score, images = tuple(range(kept)), (), (), ()
-        if moves:
-            keep, admit, score, images = self.ctx.broadcast_object((plan.keep, plan.admit, plan.score, plan.images)
-                                                                   if self.ctx.is_source else None)
-        return Plan(keep, tuple(values[HEADER:HEADER + kept]), admit, status == DONE, score, images)
+        stepped = values[STEPPED]
+        results = tuple(zip(values[HEADER:HEADER + stepped], values[HEADER + rows:HEADER + rows + stepped]))
+        keep, admit, score, images, admitted = tuple(range(values[KEPT])), (), (), (), ()
+        if values[MOVES]:
+            keep, admit, score, images, admitted = ctx.broadcast_object(
+                (plan.keep, plan.admit, plan.score, plan.images, plan.admitted) if ctx.is_source else None)
+        if values[EXTRAS]:
+            extras = ctx.broadcast_object(extras if ctx.is_source else None)
+        tokens = tuple(results[row][0] for row in keep)
+        return Plan(keep, tokens, admit, values[STATUS] == DONE, score, images, results, admitted), extras
+
+    def _sum_in_step(self, header: torch.Tensor, place: int) -> torch.Tensor:
+        try:
+            return self.ctx.sum_in_step(header)
+        except TimeoutError:
+            self._disagree(f"rank {self.ctx.rank} waited {self.ctx.timeout_s:g} s for the other ranks at "
+                           f"{_where(place)}")
+
+    def _check_places(self, places: list[int], place: int) -> None:
+        if any(p != place for p in places):
+            elsewhere = ", ".join(f"rank {r} at {_where(p)}" for r, p in enumerate(places) if p != place)
+            self._disagree(f"rank {self.ctx.rank} is at {_where(place)}, but {elsewhere}")
+
+    def _disagree(self, what: str) -> None:
+        message = (f"the model-parallel ranks are not at the same generation step: {what}. Every rank must make "
+                   f"the same calls and read their streams to the same point (did some ranks leave a "
+                   f"stream_generate loop early, or call generate, while others did not?); a rank may also be "
+                   f"stuck. The process group cannot be used after this")
+        announce_failure(message)
+        raise RanksDisagree(message)
 
 
 class Batch:
@@ -332,6 +400,10 @@ def compiled(decode, device: torch.device):
     else:
         options["cpp_wrapper"] = True
     return torch.compile(decode, fullgraph=True, dynamic=True, options=options)
+
+
+def _where(place: int) -> str:
+    return f"generation call {place >> 32}, step {place & 0xFFFFFFFF}"
 
 
 def _bucket(columns: int, limit: int) -> int:

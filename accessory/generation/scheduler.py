@@ -1,9 +1,11 @@
 """The source rank's side of continuous batching: requests wait, join the batch when a row is free, are sampled
 step by step, and leave when they stop, run out of tokens, or are cancelled.
 
-Requests may arrive from other threads (`add`, `cancel`); `step` runs on the thread that drives the engine. Text,
-detokenization and events live here, on the source rank only: the other ranks receive each step's `Plan` (token ids
-and, when the batch changes, which rows stay and which prompts join), never text.
+Requests may arrive from other threads (`add`, `cancel`); `step` runs on the thread that drives the engine. Only the
+source rank samples and decides; the other ranks receive each step's `Plan` (each row's token and whether it ended,
+and, when the batch changes, which rows stay and which prompts join), never text. A `Follower` on another rank turns
+those plans into the very events the scheduler emitted, with the same detokenization (`Request.push`, `finish`), so
+every rank of `Engine.stream` yields the same stream.
 """
 from __future__ import annotations
 
@@ -21,7 +23,10 @@ from accessory.generation.sampling import NAN_LOGITS, Penalties, SamplingError, 
 from accessory.generation.text import RowText
 
 log = logging.getLogger(__name__)
-FINISH_REASONS = ("stop", "length", "cancelled", "error")  # "error": this request failed; the others go on
+# How a request ended, as a plan sends it (0: it goes on). "error": this request failed; the others go on.
+FINISH_CODES = {None: 0, "stop": 1, "length": 2, "cancelled": 3, "error": 4}
+FINISH_REASONS = {code: reason for reason, code in FINISH_CODES.items()}
+NO_TOKEN = -1  # a row's result when no token joined its text (a stop id, a failure)
 TRUNCATE_POLICIES = ("left", "error")
 
 
@@ -33,7 +38,7 @@ class Event:
     text: str = ""
     delta: str = ""
     end_of_content: bool = False
-    finish_reason: Optional[str] = None  # None until the request ends, then one of FINISH_REASONS
+    finish_reason: Optional[str] = None  # None until the request ends, then a key of FINISH_CODES
     completion_tokens: int = 0
     error: Optional[str] = None  # what went wrong, when finish_reason is "error"
     logprobs: tuple["TokenLogprob", ...] = ()  # of the tokens sampled since the last event (if asked for)
@@ -59,13 +64,17 @@ class Plan:
     have finished), `tokens[j]` its next input token; `admit` are the prompts (token ids) of rows that join after
     them, and `images` their images' pixels (one per prompt in admit, or None; empty when none has one);
     `score`: prompts whose logits at every position the source rank wants (prompt log-probabilities). `done`:
-    nothing is left, the run ends."""
+    nothing is left, the run ends. `results`: what the last step did to each of its rows, (the token that joined
+    the row's text or NO_TOKEN, the FINISH_CODES of how it ended or 0), and `admitted` the ids of the requests
+    admitted: a Follower needs them to write the same events."""
     keep: tuple[int, ...] = ()
     tokens: tuple[int, ...] = ()
     admit: tuple[tuple[int, ...], ...] = ()
     done: bool = False
     score: tuple[tuple[int, ...], ...] = ()
     images: tuple[Optional[torch.Tensor], ...] = ()
+    results: tuple[tuple[int, int], ...] = ()
+    admitted: tuple = ()
 
     @property
     def moves(self) -> bool:
@@ -124,6 +133,37 @@ class Request:
     admitted_at: Optional[float] = None  # time.monotonic() when it joined the batch
     prompt_logprobs: Optional[tuple] = None  # computed, not yet sent
 
+    pushed: int = NO_TOKEN  # the token that joined the text in the current step
+
+    # ---- the text and events callers see: the scheduler and a Follower write them alike ---------------------------
+
+    def start_text(self, tokenizer) -> None:
+        self.text = RowText(tokenizer, self.stop_strings)
+
+    def push(self, token: int) -> None:
+        self.text.push(token)
+        self.pushed = token
+
+    def finish(self, reason: str, events: list) -> None:
+        self.finish_reason = reason
+        self.text.finish()
+        self.emit(events)
+
+    def fail(self, message: str, events: list) -> None:
+        """End with finish_reason "error", keeping the text its caller was already sent."""
+        self.finish_reason = "error"
+        events.append(Event(self.id, self.shown, "", True, "error", len(self.generated), message))
+
+    def emit(self, events: list) -> None:
+        """An event when the text callers may see grew, and always at the end."""
+        ended = self.finish_reason is not None
+        text = self.text.text if ended else self.text.visible
+        if text == self.shown and not ended:
+            return
+        events.append(Event(self.id, text, text[len(self.shown):], ended, self.finish_reason, len(self.generated),
+                            logprobs=tuple(self.logprobs), prompt_logprobs=self.prompt_logprobs))
+        self.shown, self.logprobs, self.prompt_logprobs = text, [], None
+
     @property
     def plain_greedy(self) -> bool:
         """Its token is the argmax of the raw logits (such rows are chosen all at once)."""
@@ -145,6 +185,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []  # in batch-row order
         self.scoring: list[Request] = []  # requests whose prompt logits the step being run computes
+        self.extras: tuple[Event, ...] = ()  # the last step's events that a Follower cannot write from its plan
         self.closed = False
 
     # ---- from any thread ------------------------------------------------------------------------------------------
@@ -164,9 +205,16 @@ class Scheduler:
     def step(self, logits: Optional[torch.Tensor]) -> tuple[Plan, list[Event]]:
         """Sample the last step's logits (one row per active request), then plan the next step."""
         events: list[Event] = []
+        stepped = list(self.active)  # the rows of `logits`
+        for request in stepped:
+            request.pushed = NO_TOKEN
         if logits is not None:
             self._sample(logits, events)
         self._read_inbox(events, wait=not self.active and not self.waiting and not self.closed)
+        results = tuple((r.pushed, FINISH_CODES[r.finish_reason]) for r in stepped)
+        rows = {r.id for r in stepped}
+        self.extras = tuple(e for e in events if e.id not in rows or e.error is not None or e.logprobs
+                            or e.prompt_logprobs is not None)
         survivors = [row for row, request in enumerate(self.active) if request.finish_reason is None]
         keep = _fill_holes(survivors)
         self.active = [self.active[row] for row in keep]
@@ -184,7 +232,7 @@ class Scheduler:
         images = tuple(r.image for r in admitted) if any(r.image is not None for r in admitted) else ()
         plan = Plan(tuple(keep), tuple(r.generated[-1] for r in self.active[:len(keep)]),
                     tuple(tuple(r.tokens) for r in admitted), done, tuple(tuple(r.tokens) for r in self.scoring),
-                    images)
+                    images, results, tuple(r.id for r in admitted))
         return plan, events
 
     def receive_prompt_logits(self, scored: list[torch.Tensor]) -> None:
@@ -212,15 +260,15 @@ class Scheduler:
     def _cancel(self, request_id, events: list) -> None:
         for request in self.active:
             if request.id == request_id and request.finish_reason is None:
-                self._finish(request, "cancelled", events)
+                request.finish("cancelled", events)
         for request in [r for r in self.waiting if r.id == request_id]:
             self.waiting.remove(request)
-            request.text = request.text or RowText(self.tokenizer, request.stop_strings)
-            self._finish(request, "cancelled", events)
+            request.start_text(self.tokenizer)
+            request.finish("cancelled", events)
 
     def _start(self, request: Request) -> None:
         request.admitted_at = time.monotonic()
-        request.text = RowText(self.tokenizer, request.stop_strings)
+        request.start_text(self.tokenizer)
         request.generator = torch.Generator(device=self.device).manual_seed(request.seed)
         if request.params.penalized:
             request.penalties = Penalties(request.params, request.tokens, self.vocab_size, self.device)
@@ -239,9 +287,9 @@ class Scheduler:
 
     def _advance(self, request: Request, token: int, logits: torch.Tensor, events: list) -> None:
         if token in self.stop_ids:
-            self._finish(request, "stop", events)
+            request.finish("stop", events)
             return
-        request.text.push(token)
+        request.push(token)
         if request.params.logprobs is not None:
             request.logprobs.append(token_logprob(logits, token, request.params.logprobs))
         if request.penalties is not None:
@@ -249,11 +297,11 @@ class Scheduler:
         if request.matcher is not None:
             request.matcher.consume(token)
         if request.text.stopped or (request.matcher is not None and request.matcher.finished):
-            self._finish(request, "stop", events)
+            request.finish("stop", events)
         elif len(request.generated) >= request.params.max_gen_len:
-            self._finish(request, "length", events)
+            request.finish("length", events)
         else:
-            self._emit(request, events)
+            request.emit(events)
 
     def _choose(self, logits: torch.Tensor) -> list:
         """Each row's token, or the SamplingError that ends it: plain greedy rows all at once, the others with their
@@ -274,28 +322,40 @@ class Scheduler:
         return chosen
 
     def _fail(self, request: Request, error: Exception, events: list) -> None:
-        """End `request` with finish_reason "error", keeping the text its caller was already sent."""
         message = f"{type(error).__name__}: {error}"
         log.error("request %s failed after %d token(s): %s", request.id, len(request.generated), message)
-        request.finish_reason = "error"
-        events.append(Event(request.id, request.shown, "", True, "error", len(request.generated), message))
+        request.fail(message, events)
 
-    def _finish(self, request: Request, reason: str, events: list) -> None:
-        request.finish_reason = reason
-        request.text.finish()
-        self._emit(request, events)
 
-    @staticmethod
-    def _emit(request: Request, events: list) -> None:
-        """An event when the text callers may see grew, and always at the end."""
-        ended = request.finish_reason is not None
-        text = request.text.text if ended else request.text.visible
-        if text == request.shown and not ended:
-            return
-        events.append(Event(request.id, text, text[len(request.shown):], ended, request.finish_reason,
-                            len(request.generated), logprobs=tuple(request.logprobs),
-                            prompt_logprobs=request.prompt_logprobs))
-        request.shown, request.logprobs, request.prompt_logprobs = text, [], None
+class Follower:
+    """Another rank's copy of the requests that the source rank's scheduler runs (`Engine.stream`: every rank
+    holds the same requests). From each step's plan, each row's token and how it ended, it writes the same events
+    with the same code, so every rank yields the same stream and no text is sent. What the source rank alone can
+    know (an error's message, log-probabilities, a request that never got a row) comes with the plan as `extras`:
+    the source rank's events for those requests."""
+
+    def __init__(self, requests: Sequence[Request], tokenizer):
+        self.requests, self.tokenizer = {r.id: r for r in requests}, tokenizer
+        self.active: list[Request] = []  # in batch-row order, as on the source rank
+
+    def events(self, plan: Plan, extras: Sequence[Event]) -> list[Event]:
+        events: list[Event] = []
+        for request, (token, code) in zip(self.active, plan.results):
+            if token != NO_TOKEN:
+                request.push(token)
+            if code == FINISH_CODES["error"]:
+                request.finish_reason = "error"
+            elif code:
+                request.finish(FINISH_REASONS[code], events)
+            else:
+                request.emit(events)
+        self.active = [self.active[row] for row in plan.keep]
+        for request_id in plan.admitted:
+            self.requests[request_id].start_text(self.tokenizer)
+            self.active.append(self.requests[request_id])
+        # the source rank's own events where they hold more than the tokens tell
+        extras = {e.id: e for e in extras}
+        return [extras.pop(e.id, e) for e in events] + list(extras.values())
 
 
 def prompt_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> tuple[TokenLogprob, ...]:

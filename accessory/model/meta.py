@@ -23,6 +23,7 @@ from accessory.model.memory import check_fits
 from accessory.model.tokenizer import IMAGE_PLACEHOLDER, Tokenizer, find_tokenizer
 from accessory.model.vision import ImagePlacement, optional_pixels
 from accessory.parallel import ParallelContext, fairscale_model_parallel_group, init_distributed
+from accessory.parallel.watchdog import start_watchdog
 from accessory.kernels import cpu_kernels
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,8 @@ class MetaModel(nn.Module):
                         dtype: Union[None, str, torch.dtype] = None, device: Union[None, str, torch.device] = None,
                         quant: Union[bool, None, str] = False, *, max_batch_size: int = 32,
                         compile: bool = False, prefix_cache: bool = True,
-                        prefix_cache_bytes: int = EngineSettings.prefix_cache_bytes) -> "MetaModel":
+                        prefix_cache_bytes: int = EngineSettings.prefix_cache_bytes,
+                        rank_timeout: float = 60.0) -> "MetaModel":
         """Load a checkpoint folder (or a list of folders, later ones overriding earlier ones) onto the
         model-parallel group `mp_group` (default: fairscale's model-parallel group if this process set one up, as
         LLaMA2-Accessory's scripts do with `initialize_model_parallel(n)`; else the torchrun world; else this
@@ -67,6 +69,11 @@ class MetaModel(nn.Module):
         reused, not recomputed) and `prefix_cache_bytes` (per rank, for finished sequences kept to be reused) are
         the engine's settings (`model.engine`).
 
+        `rank_timeout` (seconds; at more than one rank): a rank that stops answering (frozen, killed), or ranks
+        that are no longer at the same generation step (user code that breaks out of a stream on some ranks only),
+        end every rank with a named error within about this long, instead of a hang. A watchdog thread beats for
+        each rank (`accessory.parallel.watchdog`); it ends the process when its rank cannot raise.
+
         `with_visual`: LLaMA2-Accessory's flag for a model that reads images. A vision-language checkpoint (llama_type
         "llava") loads its vision tower either way; with_visual=True on a text model is an error.
         """
@@ -77,7 +84,11 @@ class MetaModel(nn.Module):
         if mp_group is None:
             init_distributed()  # a script started by torchrun needs no set-up of its own
             mp_group = fairscale_model_parallel_group()
-        ctx = ParallelContext.from_group(mp_group)
+        if not (isinstance(rank_timeout, (int, float)) and rank_timeout > 0):
+            raise ConfigError(f"rank_timeout must be a number of seconds > 0, got {rank_timeout!r}")
+        ctx = ParallelContext.from_group(mp_group, rank_timeout)
+        if ctx.world_size > 1:
+            start_watchdog(rank_timeout)
         device = _resolve_device(device)
         dtype = _resolve_dtype(dtype, device)
 
@@ -160,9 +171,9 @@ class MetaModel(nn.Module):
 
         Text that could still become a stop symbol, or is an incomplete UTF-8 character, is held back until clear.
         For a list of prompts, `additional_stop_symbols` may also be a list of lists: each prompt's own stops.
-        Under tensor parallelism the source rank streams; the other ranks (which compute alongside but never
-        detokenize) yield only the final event(s). `image`: the prompt's image (C, S, S) or (1, C, S, S), or for a
-        list of prompts what `generate` takes as `images`.
+        Every rank yields the same events (each detokenizes the tokens it already has), so user code that every
+        rank runs may stop reading at any point (`break`): that ends the generation on every rank alike. `image`:
+        the prompt's image (C, S, S) or (1, C, S, S), or for a list of prompts what `generate` takes as `images`.
         """
         params = SamplingParams(max_gen_len, temperature, top_p, top_k, repetition_penalty)
         batch = not isinstance(prompt, str)

@@ -9,6 +9,7 @@ import datetime
 import logging
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -16,8 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from accessory.errors import ConfigError
-from accessory.parallel.watchdog import stop_watchdog
+from accessory.errors import ConfigError, RanksDisagree
+from accessory.parallel.watchdog import announced_failure, stop_watchdog
 
 log = logging.getLogger(__name__)
 
@@ -105,16 +106,18 @@ class ParallelContext:
     rank: int  # rank inside the model-parallel group
     world_size: int  # model-parallel size
     src: int  # global rank of model-parallel rank 0: the rank that owns I/O with the user
+    timeout_s: float = 60.0  # the longest a rank waits for the others at a generation step (`sum_in_step`)
 
     @classmethod
-    def from_group(cls, group: Optional[dist.ProcessGroup] = None) -> "ParallelContext":
+    def from_group(cls, group: Optional[dist.ProcessGroup] = None, timeout_s: float = 60.0) -> "ParallelContext":
         """The given group, else the whole torchrun world, else a single process."""
         if not dist.is_initialized():
             if group is not None:
                 raise RuntimeError("mp_group was given but torch.distributed is not initialized")
-            return cls(None, 0, 1, 0)
+            return cls(None, 0, 1, 0, timeout_s)
         group = group or dist.group.WORLD
-        return cls(group, dist.get_rank(group), dist.get_world_size(group), dist.get_global_rank(group, 0))
+        return cls(group, dist.get_rank(group), dist.get_world_size(group), dist.get_global_rank(group, 0),
+                   timeout_s)
 
     @property
     def is_source(self) -> bool:
@@ -155,13 +158,29 @@ class ParallelContext:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_source else None
-        dist.gather(x, parts, dst=self.src, group=self.group)
+        with _peer_failures_named():
+            dist.gather(x, parts, dst=self.src, group=self.group)
         return torch.cat(parts, dim=dim) if self.is_source else None
+
+    def sum_in_step(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's x (in place), waiting at most `timeout_s` for the other ranks (on gloo; NCCL
+        applies the process group's own timeout). Raises TimeoutError if they do not all come."""
+        if self.world_size > 1:
+            work = dist.all_reduce(x, group=self.group, async_op=True)
+            try:
+                with _peer_failures_named():
+                    work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+            except RuntimeError as e:
+                if "timed out" not in str(e).lower():
+                    raise
+                raise TimeoutError(f"the other ranks did not join within {self.timeout_s:g} s") from None
+        return x
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank ends with the source rank's `x` (in place)."""
         if self.world_size > 1:
-            dist.broadcast(x, src=self.src, group=self.group)
+            with _peer_failures_named():
+                dist.broadcast(x, src=self.src, group=self.group)
         return x
 
     def broadcast_object(self, obj: Any) -> Any:
@@ -169,7 +188,8 @@ class ParallelContext:
         if self.world_size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=self.src, group=self.group, device=self.device)
+        with _peer_failures_named():
+            dist.broadcast_object_list(box, src=self.src, group=self.group, device=self.device)
         return box[0]
 
     def raise_if_any_failed(self, error: Optional[BaseException]) -> None:
@@ -191,3 +211,16 @@ class ParallelContext:
         if failed:
             rank, msg = failed[0]
             raise RuntimeError(f"model-parallel rank {rank} failed: {msg}")
+
+
+@contextmanager
+def _peer_failures_named():
+    """A collective that fails because a peer left (gloo: "Connection closed by peer") after announcing why (the
+    watchdog's store) raises that reason, naming the rank, instead of the transport's message."""
+    try:
+        yield
+    except RuntimeError as e:
+        failed = announced_failure()
+        if failed is None:
+            raise
+        raise RanksDisagree(f"rank {failed[0]} failed: {failed[1]}") from e

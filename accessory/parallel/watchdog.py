@@ -7,6 +7,10 @@ store and reads the others'; a rank whose counter has not moved for `timeout_s` 
 main loop does (a collective that waits, a long step, an idle server), so only a rank that cannot run at all goes
 silent. Counters, not clocks: machines' clocks need not agree.
 
+A rank that fails in a way the others cannot see (it found the ranks at different generation steps, while another
+rank waits in a collective that will never complete) says so in the store (`announce_failure`); every other rank's
+watchdog reads it at its next beat and ends that rank the same way, naming the rank and its message.
+
 On a lost rank the watchdog logs which one, runs the failure hooks (the server tells its open streams), kills the
 lost rank if it runs on this machine (a stopped process cannot act on the SIGTERM torchrun would send), and exits
 with status EXIT_RANK_LOST: its main thread may be blocked in a collective that would never return.
@@ -37,6 +41,7 @@ class Watchdog:
         self.failure_hooks: list[Callable[[str], None]] = []  # called with the message before exiting
         self._silent_since = {r: time.monotonic() for r in range(world_size) if r != rank}
         self._counts = {r: -1 for r in self._silent_since}
+        self.announced = False  # this rank failed and said so: it raises on its own, others' failures are no news
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="accessory-watchdog", daemon=True)
 
@@ -55,21 +60,41 @@ class Watchdog:
         return {r: now - t for r, t in self._silent_since.items() if now - t > after_s}
 
     def _run(self) -> None:
+        store_silent_since = None
         while not self._stop.wait(self.interval_s):
+            if not dist.is_initialized():  # the script left the process group (destroy_process_group): done
+                return
             try:
                 self.store.add(_key("beat", self.rank), 1)
                 for r in self._silent_since:
                     count = self.store.add(_key("beat", r), 0)  # reads without waiting for the key
                     if count != self._counts[r]:
                         self._counts[r], self._silent_since[r] = count, time.monotonic()
-            except Exception as e:  # the store's host is gone: the job is over, torchrun ends the rest
-                log.error("the process group's store stopped answering (%s); ending this rank", e)
-                self._fail(f"the process group's store stopped answering ({e})", None)
+                failed = self.announced_failure()
+                store_silent_since = None
+            except Exception as e:  # the store's host is gone, or leaving as this rank leaves the group
+                store_silent_since = store_silent_since or time.monotonic()
+                if time.monotonic() - store_silent_since > self.timeout_s:
+                    self._fail(f"the process group's store has not answered for {self.timeout_s:g} s ({e})", None)
+                continue
+            if failed is not None and not self.announced:
+                self._fail(f"rank {failed[0]} failed: {failed[1]}; ending every rank", None)
             lost = self.silent_ranks(self.timeout_s)
             if lost:
                 rank = max(lost, key=lost.get)
                 self._fail(f"rank {rank} has not answered for {lost[rank]:.0f} s (--rank-timeout "
                            f"{self.timeout_s:g}): it is frozen or lost; ending every rank", rank)
+
+    def announce_failure(self, message: str) -> None:
+        self.announced = True
+        self.store.set(_key("failed", self.rank), message)
+
+    def announced_failure(self) -> Optional[tuple[int, str]]:
+        """(rank, message) of another rank that announced a failure, if one did."""
+        for rank in self._silent_since:
+            if self.store.check([_key("failed", rank)]):
+                return rank, self.store.get(_key("failed", rank)).decode()
+        return None
 
     def _fail(self, message: str, lost_rank: Optional[int]) -> None:
         log.error("%s", message)
@@ -111,6 +136,23 @@ def start_watchdog(timeout_s: float) -> Optional[Watchdog]:
 
 def active_watchdog() -> Optional[Watchdog]:
     return _active
+
+
+def announced_failure() -> Optional[tuple[int, str]]:
+    """(rank, message) of another rank that announced a failure; None if none did, or without a watchdog."""
+    try:
+        return _active.announced_failure() if _active is not None else None
+    except Exception:  # the store is gone too
+        return None
+
+
+def announce_failure(message: str) -> None:
+    """Tell the other ranks' watchdogs that this rank failed (they end their ranks); nothing without a watchdog."""
+    if _active is not None:
+        try:
+            _active.announce_failure(message)
+        except Exception as e:  # the store is gone: the others will find this rank silent instead
+            log.warning("could not tell the other ranks of this failure: %s", e)
 
 
 def stop_watchdog() -> None:

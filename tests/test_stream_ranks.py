@@ -1,0 +1,112 @@
+"""Every rank sees the same stream: LLaMA2-Accessory's multi-turn loop, which every rank runs and which breaks out
+once the conversation's separator appears, ends on every rank with the same response, at 1 and 3 ranks, twice in a
+row, and the group then generates normally. (Before, the other ranks yielded only the final event, so a rank that
+broke early left the others waiting in the next step forever.) A loop that breaks on one rank only ends with
+RanksDisagree on every rank within the rank timeout, never a hang."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from distributed import free_port, run_ranks
+
+CONV_SEP = "."
+QUESTION = "Tell me about the moon."
+TIMEOUT_S = 5
+
+
+def seed_loop(model, conv_sep: str = CONV_SEP, stop_after=None) -> tuple[str, int]:
+    """The seed document's loop (with a chunk count beside it); `stop_after`: this rank breaks after that many
+    chunks whatever the text says (a deliberately disagreeing rank)."""
+    from accessory.data.conversation import default_conversation
+
+    conv = default_conversation()
+    conv.append_message(conv.roles[0], QUESTION)
+    conv.append_message(conv.roles[1], None)
+    chunks, response = 0, ""
+    for response_in_progress in model.stream_generate(conv.get_prompt(), image=None, max_gen_len=64):
+        chunks += 1
+        sep_pos = response_in_progress["text"].find(conv_sep)
+        if sep_pos != -1 or chunks == stop_after:
+            response = response_in_progress["text"][:sep_pos]
+            break
+        response = response_in_progress["text"]
+    return response, chunks
+
+
+def loop_twice_then_generate(folder) -> dict:
+    from accessory.model.meta import MetaModel
+
+    model = MetaModel.from_pretrained(str(folder), max_seq_len=512, rank_timeout=TIMEOUT_S)
+    first, second = seed_loop(model), seed_loop(model)
+    streamed = [(e.text, e.delta, e.end_of_content, e.finish_reason, e.completion_tokens)
+                for e in model.stream_generate("The moon is", max_gen_len=12)]
+    return {"loops": [first, second], "streamed": streamed, "after": model.generate(["The moon is"], max_gen_len=12)}
+
+
+@pytest.fixture(scope="module")
+def single(smollm2_checkpoint):
+    return loop_twice_then_generate(smollm2_checkpoint)
+
+
+def test_the_seed_loop_ends_with_the_same_response_on_every_rank_twice(smollm2_checkpoint, single):
+    results = run_ranks(3, loop_twice_then_generate, smollm2_checkpoint)
+    for rank, result in enumerate(results):
+        assert not isinstance(result, Exception), result.rank_traceback
+        assert result == single, f"rank {rank} saw another stream than a single process"
+    (response, chunks), again = single["loops"]
+    assert again == (response, chunks) and chunks >= 3 and response.strip()  # it broke out early, with text
+    assert len(single["streamed"]) > 3 and single["streamed"][-1][2:4] == (True, "length")
+    assert single["after"] == [single["streamed"][-1][0]]
+
+
+DISAGREEING_SCRIPT = """
+import logging, os, sys, time
+sys.path.insert(0, {tests!r})
+rank = int(os.environ["RANK"])
+logging.basicConfig(format=f"[rank {{rank}}] %(message)s", level=logging.WARNING)
+from accessory.errors import RanksDisagree
+from accessory.model.meta import MetaModel
+from test_stream_ranks import QUESTION, seed_loop
+
+model = MetaModel.from_pretrained({folder!r}, max_seq_len=512, rank_timeout={timeout})
+start = time.monotonic()
+try:
+    seed_loop(model, conv_sep="\\0", stop_after=3 if rank == 0 else None)
+    print(f"[rank {{rank}}] left the loop", flush=True)
+    model.generate([QUESTION], max_gen_len=4)  # the next call the rank that broke out goes on to
+except RanksDisagree as e:
+    print(f"[rank {{rank}}] raised RanksDisagree after {{time.monotonic() - start:.1f}} s: {{e}}", flush=True)
+    time.sleep(3)  # a script that goes on a moment: the watchdogs end the ranks that cannot raise
+    sys.exit(1)
+print(f"[rank {{rank}}] no error", flush=True)
+"""
+
+
+def test_a_break_on_one_rank_only_ends_every_rank_with_a_named_error(smollm2_checkpoint, tmp_path):
+    """Under torchrun, rank 0 leaves the stream after 3 chunks and goes on to its next call; ranks 1 and 2 go on
+    reading. Ranks 1 and 2 raise RanksDisagree within the rank timeout (they wait for rank 0 in the next step);
+    rank 0, blocked in a collective that the others never join, is ended by its watchdog with their message."""
+    script = tmp_path / "disagree.py"
+    script.write_text(DISAGREEING_SCRIPT.format(tests=str(Path(__file__).parent), folder=str(smollm2_checkpoint),
+                                                timeout=TIMEOUT_S))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(script)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, env=dict(os.environ,
+                                                                                      OMP_NUM_THREADS="1"))
+    out = run.stdout + run.stderr
+    assert run.returncode != 0 and "no error" not in out, out[-4000:]
+    assert "[rank 0] left the loop" in out, out[-4000:]
+    for rank in range(3):  # each raised, or (blocked in a collective) was ended by its watchdog, naming the cause
+        raised = re.search(rf"\[rank {rank}\] raised RanksDisagree after ([0-9.]+) s: .*not at the same generation "
+                           rf"step", out)
+        ended = re.search(rf"\[rank {rank}\] rank \d failed: the model-parallel ranks are not at the same generation "
+                          rf"step", out)
+        assert (raised and float(raised.group(1)) < TIMEOUT_S + 10) or ended, out[-4000:]
+    assert re.search(r"rank [12] waited 5 s for the other ranks at generation call 1, step \d", out), out[-4000:]

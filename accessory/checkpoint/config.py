@@ -29,14 +29,17 @@ class Quantization:
         {"quant": "int4", "group_size": 32, "tensors": {"layers.0.attention.wq.weight": "int4", ...}}
 
     `quant` names the checkpoint's kind (the format of its block linears, or "mixed"); `tensors` maps each quantized
-    weight to its format; each is saved as its parts, `NAME.q`, `NAME.scale` and (int4) `NAME.min`."""
+    weight to its format (quant/formats.py FORMATS: int8 and int4, and the import-only GGUF block formats q4_k, q5_k,
+    q6_k, q5_0); each is saved as its parts, `NAME.q`, `NAME.scale` and (int4) `NAME.min` (a GGUF block format: `NAME.q`
+    alone). `group_size` is int8 / int4's group; a GGUF block format's block is fixed by its name."""
     quant: str
     tensors: dict[str, str]
     group_size: int = GROUP
 
     @classmethod
     def from_json(cls, value, source: str) -> "Quantization":
-        expected = '{"quant": "int4" | "int8" | "mixed", "group_size": 32, "tensors": {name: "int4" | "int8"}}'
+        names = " | ".join(f'"{f}"' for f in FORMATS)
+        expected = f'{{"quant": {names} | "mixed", "group_size": 32, "tensors": {{name: {names}}}}}'
         if not isinstance(value, dict) or set(value) != {"quant", "group_size", "tensors"}:
             raise ConfigError(f"{source}: \"quantization\" must be {expected}, got {value!r}")
         if value["group_size"] != GROUP:

@@ -33,7 +33,7 @@ def quantize_checkpoint(src: Path, dst: Path, fmt: str, shards: Optional[int] = 
     ("int8": every linear and the embedding; "int4": the blocks' linears, the embedding and output in int8), as
     `shards` shards (default: src's count). Norms and other small tensors keep src's float dtype."""
     src, dst = Path(src), Path(dst)
-    check_format(fmt, "--to")
+    check_format(fmt, "--to", quantizing=True)
     refuse_overlap(dst, [src])
     if dst.exists():
         raise CheckpointError(f"{dst} already exists; choose a new output folder (inputs are never overwritten)")

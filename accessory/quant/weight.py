@@ -3,8 +3,9 @@
 A parallel layer's `weight` is either a float Parameter or one of these (parallel/layers.py `quantize_`). Its
 parts are buffers named after the weight (`wq.weight.q`, `wq.weight.scale`, `wq.weight.min`), and each part carries
 its own `Shard` (`q_shard`, ...) cut from the float weight's, so loading, saving and resharding slice them as they
-slice any tensor. Groups run along `in`: a split of `in` across ranks falls on group boundaries (the layers align it),
-so every rank's slice quantizes exactly as the same columns of the whole weight do, at any rank count.
+slice any tensor. Blocks (groups of 32; GGUF's blocks of 32 or 256) run along `in`: a split of `in` across ranks
+falls on block boundaries (the layers align it, or refuse), so every rank's slice holds exactly the same bits as the
+same columns of the whole weight, at any rank count.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from accessory.quant.formats import GROUP, PART_DTYPES, check_format, dequantize, packed_in, part_shapes, quantize
+from accessory.quant.formats import (GROUP, PART_DTYPES, block_size, check_format, dequantize, packed_in,
+                                     part_shapes, quantize)
 from accessory.kernels import quantized_linear
 
 
@@ -23,9 +25,9 @@ class QuantizedWeight(nn.Module):
         """`out_features` x `in_features` is this rank's (local) shape; `shard` the float weight's Shard."""
         super().__init__()
         self.fmt, self.shape, self.shard = check_format(fmt), (out_features, in_features), shard
-        if in_features % GROUP:
-            raise ValueError(f"{in_features} input features per rank are not a multiple of the quantization group "
-                             f"size {GROUP}")
+        if in_features % block_size(fmt):
+            raise ValueError(f"{in_features} input features per rank are not a multiple of {fmt}'s block of "
+                             f"{block_size(fmt)} inputs")
         for name, shape in part_shapes(fmt, out_features, in_features).items():
             self.register_buffer(name, torch.empty(shape, dtype=PART_DTYPES[fmt][name], device=device))
             setattr(self, f"{name}_shard", part_shard(shard, fmt, name))
@@ -36,7 +38,7 @@ class QuantizedWeight(nn.Module):
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) @ W^T -> (..., out)."""
-        return quantized_linear(x, self.fmt, self.q, self.scale, getattr(self, "min", None))
+        return quantized_linear(x, self.fmt, self.q, getattr(self, "scale", None), getattr(self, "min", None))
 
     def embed(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `tokens` of W, dequantized: an embedding lookup (..., in)."""
@@ -61,20 +63,19 @@ class QuantizedWeight(nn.Module):
         return sum(part.numel() * part.element_size() for part in self.parts.values())
 
     def extra_repr(self) -> str:
-        return f"{self.fmt}, {self.shape[0]}x{self.shape[1]}, groups of {GROUP}"
+        return f"{self.fmt}, {self.shape[0]}x{self.shape[1]}, blocks of {block_size(self.fmt)}"
 
 
 def part_shard(shard, fmt: str, part: str):
-    """The Shard of one part, from the float weight's: rows split alike; a split of `in` shrinks with the packing
-    (q: 2 values a byte for int4) or to groups (scale, min)."""
+    """The Shard of one part, from the float weight's: rows split alike; a split of `in` (on whole blocks) maps to
+    q's columns (2 values a byte for int4, a GGUF block's bytes per block) or to groups (scale, min)."""
     if shard is None or shard.dim == 0:
         return shard
-    if part == "q":
-        divide = shard.size // packed_in(fmt, shard.size)
-    else:
-        divide = GROUP
-    return replace(shard, start=shard.start // divide, stop=shard.stop // divide, size=shard.size // divide,
-                   local_size=shard.local_size // divide)
+    def columns(n: int) -> int:
+        return packed_in(fmt, n) if part == "q" else n // GROUP
+
+    return replace(shard, start=columns(shard.start), stop=columns(shard.stop), size=columns(shard.size),
+                   local_size=columns(shard.local_size))
 
 
 def quantized_parts(name: str, fmt: str) -> list[str]:

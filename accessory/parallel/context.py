@@ -148,7 +148,8 @@ class ParallelContext:
             parts = [torch.zeros_like(x)] * self.world_size
             parts[self.rank] = x
             return funcol.all_reduce(torch.cat(parts, dim=dim), "sum", self.group)
-        gathered = funcol.all_gather_single(x.contiguous(), 0, self.group)  # the ranks' x stacked on dim 0
+        # all_gather_tensor, not all_gather_single: torch 2.11 (CUDA 13 wheels) has only the former
+        gathered = funcol.all_gather_tensor(x.contiguous(), 0, self.group)  # the ranks' x stacked on dim 0
         return torch.cat(gathered.chunk(self.world_size, dim=0), dim=dim)
 
     def gather_to_source(self, x: torch.Tensor, dim: int = -1) -> Optional[torch.Tensor]:

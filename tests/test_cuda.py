@@ -4,9 +4,11 @@ machine `python -m pytest -q tests/test_cuda.py` runs them (benchmarks/README.md
 - The Triton quantized products (accessory/kernels/cuda.py), int8 and int4, 1 to 64 rows, bfloat16 and float16,
   against x @ dequantize(W)^T in float64; torch's tinygemm (measured beside them by benchmarks/gpu.py) too.
 - The built-in model (SmolLM2-135M-Instruct, float weights): bfloat16 on CUDA against float32 on the CPU (logits
-  within BF16_LOGITS_TOL relative, the same 32 greedy tokens); float32 on CUDA (logits within 1e-4); the compiled
-  decode step (CUDA graphs) against eager; int4 (the GGUF's own bits) and int8 on CUDA against the CPU run of the
-  same quantized weights.
+  within BF16_LOGITS_TOL relative; greedy tokens equal, except that a row may part where float32's own top two
+  are within NEAR_TIE, after at least MIN_COMMON equal tokens: bf16 rounding flips such ties, and the first run on
+  an H100 parted once, at token 16 of 32 of one prompt of 4); float32 on CUDA (logits within 1e-4, tokens equal);
+  the compiled decode step (CUDA graphs) against eager; int4 (the GGUF's own bits) and int8 on CUDA against the
+  CPU run of the same quantized weights.
 - NCCL at world size 1 (torchrun and the CLI, as a user runs it); tensor parallelism at 2 and 3 ranks on the one
   GPU through gloo with CUDA tensors (NCCL refuses two ranks on one device): the logits and tokens of 1 rank.
 - `accessory serve` on CUDA answers a chat request with the text `MetaModel.chat` gives.
@@ -34,6 +36,8 @@ PROMPTS = ["The history of the printing press begins", "def fibonacci(n):",
            "Paris is the capital of France, Berlin is the capital of Germany, and Rome is"]
 GEN_STEPS = 32
 BF16_LOGITS_TOL = 0.05  # relative (L2) error of bfloat16 logits against float32 through SmolLM2's 30 layers
+NEAR_TIE = 0.5  # logits: where float32's top choice leads bf16's by less, bf16 may take the other
+MIN_COMMON = 8  # greedy tokens every row must share with the float32 run before any such parting
 
 
 @pytest.fixture(scope="module")
@@ -119,13 +123,32 @@ def reference_run(folder, **load) -> dict:
     from accessory.model.meta import MetaModel
 
     model = MetaModel.from_pretrained(folder, max_seq_len=512, device="cpu", dtype=torch.float32, **load)
-    return run_model(model)
+    return {**run_model(model), "model": model}
 
 
 def run_model(model, engine=None) -> dict:
-    ids = [model.tokenizer.encode_chat(QUESTION)] + [model.tokenizer.encode(p, bos=True, eos=False) for p in PROMPTS]
+    ids = prompt_ids(model)
     return {"tokens": greedy_ids(model, ids, GEN_STEPS, engine=engine),
             "logits": [row.cpu() for row in model.compute_logits(ids)]}
+
+
+def prompt_ids(model) -> list[list[int]]:
+    return [model.tokenizer.encode_chat(QUESTION)] + [model.tokenizer.encode(p, bos=True, eos=False) for p in PROMPTS]
+
+
+def assert_greedy_matches(run: dict, ref: dict, report: dict, name: str) -> None:
+    """Greedy tokens equal to the float32 run's, or parting only at a near tie of float32's own logits (after at
+    least MIN_COMMON equal tokens)."""
+    partings = []
+    for ids, got, want in zip(prompt_ids(ref["model"]), run["tokens"], ref["tokens"]):
+        k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if k is None:
+            continue
+        logits = ref["model"].compute_logits([ids + want[:k]])[0][-1]
+        margin = (logits[want[k]] - logits[got[k]]).item()
+        partings.append({"at": k, "float32_margin": round(margin, 4)})
+        assert k >= MIN_COMMON and margin < NEAR_TIE, f"{name}: parts at token {k}, float32 margin {margin:.3f}"
+    report[f"{name} greedy partings"] = partings
 
 
 def logits_error(run: dict, ref: dict) -> float:
@@ -145,7 +168,7 @@ def test_bf16_on_cuda_matches_float32_on_the_cpu(smollm2_checkpoint, smollm2, re
     run = run_model(model)
     report["smollm2 bf16 cuda vs fp32 cpu logits relative error"] = error = logits_error(run, smollm2)
     assert error < BF16_LOGITS_TOL
-    assert run["tokens"] == smollm2["tokens"]
+    assert_greedy_matches(run, smollm2, report, "smollm2 bf16 cuda")
 
 
 def test_float32_on_cuda_matches_the_cpu(smollm2_checkpoint, smollm2, report):
@@ -155,11 +178,11 @@ def test_float32_on_cuda_matches_the_cpu(smollm2_checkpoint, smollm2, report):
     assert run["tokens"] == smollm2["tokens"]
 
 
-def test_compiled_step_with_cuda_graphs_matches_eager(smollm2_checkpoint, smollm2):
+def test_compiled_step_with_cuda_graphs_matches_eager(smollm2_checkpoint, smollm2, report):
     """The decode step compiled (CUDA graphs, rows padded to powers of two) against the float32 CPU run, with
     rows of different lengths finishing at different steps (max_batch_size 2 for 4 prompts: rows leave and join)."""
     model = cuda_model(smollm2_checkpoint, torch.bfloat16, compile=True)
-    assert run_model(model)["tokens"] == smollm2["tokens"]
+    assert_greedy_matches(run_model(model), smollm2, report, "smollm2 bf16 cuda compiled")
     ids = [model.tokenizer.encode(p, bos=True, eos=False) for p in PROMPTS + [QUESTION]]
     eager = model.engine.configured(compile=False, max_batch_size=2)
     compiled = model.engine.configured(max_batch_size=2)
@@ -181,22 +204,38 @@ def test_quantized_model_on_cuda_matches_the_cpu(fmt, report):
         run = run_model(cuda_model(folder, torch.bfloat16, quant=quant, compile=compile))
         report[f"smollm2 {fmt} bf16 cuda vs fp32 cpu logits relative error"] = error = logits_error(run, ref)
         assert error < BF16_LOGITS_TOL
-        assert run["tokens"] == ref["tokens"], f"compile={compile}"
+        assert_greedy_matches(run, ref, report, f"smollm2 {fmt} compile={compile}")
 
 
 # ---- process groups ------------------------------------------------------------------------------------------------
 
-def test_nccl_at_world_size_one(smollm2_checkpoint):
-    """`torchrun --nproc-per-node=1 -m accessory generate` on a GPU joins an NCCL group (the runtime's choice with
-    CUDA) and prints what the same model prints in process."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "accessory", "generate", "--pretrained_path",
-               str(smollm2_checkpoint), "--prompt", PROMPTS[2], "--max_gen_len", "24", "--log-level", "debug"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+NCCL_SCRIPT = """
+import sys
+import torch.distributed as dist
+from accessory.model.meta import MetaModel
+
+model = MetaModel.from_pretrained(sys.argv[1], max_seq_len=512)  # joins torchrun's group itself
+print(dist.get_backend(), model.llma.device.type, repr(model.generate([sys.argv[2]], max_gen_len=24)[0]))
+"""
+
+
+def test_nccl_at_world_size_one(smollm2_checkpoint, tmp_path):
+    """Under `torchrun --nproc-per-node=1` on a GPU, from_pretrained joins an NCCL group (the runtime's choice with
+    CUDA) and generates what the same model generates in process; the CLI's generate runs there too."""
+    script = tmp_path / "nccl_one.py"
+    script.write_text(NCCL_SCRIPT)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
+    result = subprocess.run(torchrun + [str(script), str(smollm2_checkpoint), PROMPTS[2]], capture_output=True,
+                            text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "(nccl)" in result.stderr
     expected = cuda_model(smollm2_checkpoint, torch.bfloat16).generate([PROMPTS[2]], max_gen_len=24)[0]
-    assert result.stdout.strip() == expected.strip()
+    assert result.stdout.strip().splitlines()[-1] == f"nccl cuda {expected!r}"
+    cli = subprocess.run(torchrun + ["-m", "accessory", "generate", "--pretrained_path", str(smollm2_checkpoint),
+                                     "--prompt", PROMPTS[2], "--max_gen_len", "24"],
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    assert cli.stdout.strip() == expected.strip()
 
 
 def sharded_run(folder, dtype) -> dict:
@@ -210,20 +249,26 @@ def sharded_run(folder, dtype) -> dict:
             "logits": [row.cpu() for row in model.compute_logits(prompts)]}
 
 
+def assert_ranks_match_one(folder, world: int, report: dict) -> None:
+    """float32: the all-reduce changes the order of the sums, so logits within 1e-4 and the same greedy tokens."""
+    single = sharded_run(folder, torch.float32)
+    for rank, result in enumerate(run_ranks(world, sharded_run, folder, torch.float32)):
+        assert not isinstance(result, Exception), result.rank_traceback
+        error = logits_error(result, single)
+        report[f"tp {world} ranks gloo cuda {folder.name} rank {rank} logits relative error"] = error
+        assert error < 1e-4, f"rank {rank}"
+        assert result["tokens"] == single["tokens"], f"rank {rank}"
+
+
 @pytest.mark.parametrize("world", [2, 3])
-def test_tensor_parallel_on_one_gpu_through_gloo(tiny_checkpoints, smollm2_checkpoint, world, report):
-    """Tiny MHA (both counts) and GQA (2 ranks; 3 is refused) checkpoints, and at 3 ranks the built-in model, in
-    float32 (the all-reduce changes the order of the sums: within 1e-4, the same greedy tokens)."""
-    cases = [tiny_checkpoints["mha", 1]] + ([tiny_checkpoints["gqa", 1]] if world == 2 else [smollm2_checkpoint])
-    for folder in cases:
-        single = sharded_run(folder, torch.float32)
-        ranks = run_ranks(world, sharded_run, folder, torch.float32)
-        for rank, result in enumerate(ranks):
-            assert not isinstance(result, Exception), result.rank_traceback
-            error = logits_error(result, single)
-            report[f"tp {world} ranks gloo cuda {folder.name} logits relative error"] = error
-            assert error < 1e-4, f"rank {rank}"
-            assert result["tokens"] == single["tokens"], f"rank {rank}"
+def test_tensor_parallel_on_one_gpu_through_gloo(tiny_checkpoints, world, report):
+    """Tiny MHA (both counts, its FFN and vocabulary split unevenly at 3) and GQA (2 ranks; 3 is refused)."""
+    for name in ("mha", "gqa") if world == 2 else ("mha",):
+        assert_ranks_match_one(tiny_checkpoints[name, 1], world, report)
+
+
+def test_tensor_parallel_built_in_model_at_3_ranks(smollm2_checkpoint, report):
+    assert_ranks_match_one(smollm2_checkpoint, 3, report)
 
 
 # ---- serving -------------------------------------------------------------------------------------------------------

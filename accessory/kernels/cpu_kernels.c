@@ -7,6 +7,10 @@
    int4: q (N, K/2) uint8, scale and min (N, K/32) fp16:      W[n, k] = scale[n, g] * q4[n, k] + min[n, g]
          in each group's 16 bytes, byte j holds element j in its low nibble and element j + 16 in its high one
          (GGUF's Q4_0 / Q4_1 order, so the file's bits are used as they are).
+   GGUF's Q4_K, Q5_K, Q6_K (blocks of 256) and Q5_0 (blocks of 32): q (N, K / block * block bytes) uint8, each row
+         its blocks as the file holds them (layouts: quant/formats.py). A row's scales d * sc and minimums dmin * m
+         per group of 32 (Q6_K: per 16) are computed once as floats, exactly as the reference computes them; then
+         each group is scale * q + min, one FMA a weight, in the same loop as int4.
 
    x stays float: each group of W is dequantized in registers, exactly as the reference computes it (one rounding of
    scale * q + min), and multiplied with x in float. For float32 W this is the same loop without the dequantizing:
@@ -104,6 +108,70 @@ INLINE void int8_group(const int8_t *q, float s, vec w[]) {
                                                      _mm_loadu_si128((const __m128i *)(q + 16 * i)))));
 }
 
+/* GGUF's block formats (quant/formats.py), one group of 32 weights: scale * q + min with the group's float scale
+   and minimum (computed once per row by block_scales), one FMA per weight, so rounded once as the reference is. */
+
+/* Q4_K: 32 values, the nibbles at `shift` (0: low, 4: high) of 32 bytes; a 16-value table, as int4. */
+INLINE void q4k_group(const uint8_t *q, int shift, float s, float m, vec w[]) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(s), iota, _mm512_set1_ps(m));
+    const __m128i count = _mm_cvtsi32_si128(shift);
+    for (int i = 0; i < 2; i++) /* the permute reads an index's low 4 bits: no mask needed */
+        w[i] = _mm512_permutexvar_ps(_mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * i))),
+                                                      count), table);
+}
+
+/* The 32 values s * [0..31] + m, as two tables: a 5-bit index selects from them (bit 4 picks the second). */
+INLINE void table32(float s, float m, __m512 *low, __m512 *high) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    *low = _mm512_fmadd_ps(_mm512_set1_ps(s), iota, _mm512_set1_ps(m));
+    *high = _mm512_fmadd_ps(_mm512_set1_ps(s), _mm512_add_ps(iota, _mm512_set1_ps(16)), _mm512_set1_ps(m));
+}
+
+/* (low & 15) | (high4 & ~15): bits 0-3 from `low`, the rest from `high4` (a bitwise select, one instruction). */
+INLINE __m512i merge_nibble(__m512i low, __m512i high4) {
+    return _mm512_ternarylogic_epi32(low, high4, _mm512_set1_epi32(15), 0xE4);
+}
+
+/* Q5_K: as Q4_K, plus a 5th bit: bit `bit` of 32 more bytes. */
+INLINE void q5k_group(const uint8_t *qs, const uint8_t *qh, int shift, int bit, float s, float m, vec w[]) {
+    __m512 low, high;
+    table32(s, m, &low, &high);
+    const __m128i count = _mm_cvtsi32_si128(shift), count_h = _mm_cvtsi32_si128(bit);
+    for (int i = 0; i < 2; i++) {
+        __m512i l = _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16 * i))), count);
+        __m512i h = _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + 16 * i))), count_h);
+        w[i] = _mm512_permutex2var_ps(low, merge_nibble(l, _mm512_slli_epi32(h, 4)), high); /* reads bits 0-4 */
+    }
+}
+
+/* Q6_K: 6-bit values, 4 low bits at `shift` of 32 bytes, 2 high bits at `shift_h` of 32 more; a scale per 16. */
+INLINE void q6k_group(const uint8_t *ql, const uint8_t *qh, int shift, int shift_h, const float *s, const float *m,
+                      vec w[]) {
+    const __m128i count = _mm_cvtsi32_si128(shift), count_h = _mm_cvtsi32_si128(shift_h);
+    for (int i = 0; i < 2; i++) {
+        __m512i l = _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + 16 * i))), count);
+        __m512i h = _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + 16 * i))), count_h);
+        __m512i q = _mm512_and_si512(merge_nibble(l, _mm512_slli_epi32(h, 4)), _mm512_set1_epi32(63));
+        w[i] = _mm512_fmadd_ps(_mm512_set1_ps(s[i]), _mm512_cvtepi32_ps(q), _mm512_set1_ps(m[i]));
+    }
+}
+
+/* Q5_0: one block (d, then 32 5th bits as a little-endian uint32, then 16 bytes: values j and j + 16 in byte j's
+   low and high nibble); m = -16 s. */
+INLINE void q50_group(const uint8_t *block, float s, float m, vec w[]) {
+    __m512 low, high;
+    table32(s, m, &low, &high);
+    uint32_t bits;
+    memcpy(&bits, block + 2, sizeof bits);
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i qs = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 6))), all = _mm512_set1_epi32(bits);
+    __m512i h0 = _mm512_slli_epi32(_mm512_srlv_epi32(all, iota), 4);
+    __m512i h1 = _mm512_slli_epi32(_mm512_srlv_epi32(all, _mm512_add_epi32(iota, _mm512_set1_epi32(16))), 4);
+    w[0] = _mm512_permutex2var_ps(low, merge_nibble(qs, h0), high);
+    w[1] = _mm512_permutex2var_ps(low, merge_nibble(_mm512_srli_epi32(qs, 4), h1), high);
+}
+
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 typedef __m256 vec;
 #define LANES 8
@@ -161,6 +229,53 @@ INLINE void int8_group(const int8_t *q, float s, vec w[]) {
                              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * i)))));
 }
 
+/* GGUF's block formats, one group of 32 weights (as the AVX-512 versions): 8 values at a time, converted and
+   scaled by one FMA each. */
+INLINE __m256i bytes8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+
+INLINE __m256 scaled(__m256i q, float s, float m) {
+    return _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(q), _mm256_set1_ps(m));
+}
+
+INLINE void q4k_group(const uint8_t *q, int shift, float s, float m, vec w[]) {
+    const __m128i count = _mm_cvtsi32_si128(shift);
+    for (int i = 0; i < 4; i++)
+        w[i] = scaled(_mm256_and_si256(_mm256_srl_epi32(bytes8(q + 8 * i), count), _mm256_set1_epi32(15)), s, m);
+}
+
+INLINE void q5k_group(const uint8_t *qs, const uint8_t *qh, int shift, int bit, float s, float m, vec w[]) {
+    const __m128i count = _mm_cvtsi32_si128(shift), count_h = _mm_cvtsi32_si128(bit);
+    for (int i = 0; i < 4; i++) {
+        __m256i l = _mm256_and_si256(_mm256_srl_epi32(bytes8(qs + 8 * i), count), _mm256_set1_epi32(15));
+        __m256i h = _mm256_and_si256(_mm256_slli_epi32(_mm256_srl_epi32(bytes8(qh + 8 * i), count_h), 4),
+                                     _mm256_set1_epi32(16));
+        w[i] = scaled(_mm256_or_si256(l, h), s, m);
+    }
+}
+
+INLINE void q6k_group(const uint8_t *ql, const uint8_t *qh, int shift, int shift_h, const float *s, const float *m,
+                      vec w[]) {
+    const __m128i count = _mm_cvtsi32_si128(shift), count_h = _mm_cvtsi32_si128(shift_h);
+    for (int i = 0; i < 4; i++) {
+        __m256i l = _mm256_and_si256(_mm256_srl_epi32(bytes8(ql + 8 * i), count), _mm256_set1_epi32(15));
+        __m256i h = _mm256_and_si256(_mm256_slli_epi32(_mm256_srl_epi32(bytes8(qh + 8 * i), count_h), 4),
+                                     _mm256_set1_epi32(48));
+        w[i] = scaled(_mm256_or_si256(l, h), s[i / 2], m[i / 2]);
+    }
+}
+
+INLINE void q50_group(const uint8_t *block, float s, float m, vec w[]) {
+    uint32_t bits;
+    memcpy(&bits, block + 2, sizeof bits);
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), all = _mm256_set1_epi32(bits);
+    for (int i = 0; i < 4; i++) { /* values 8i..8i+7: bytes 8(i % 2).., low nibbles for i < 2, high ones after */
+        __m256i l = _mm256_srli_epi32(bytes8(block + 6 + 8 * (i % 2)), 4 * (i / 2));
+        __m256i h = _mm256_slli_epi32(_mm256_srlv_epi32(all, _mm256_add_epi32(iota, _mm256_set1_epi32(8 * i))), 4);
+        w[i] = scaled(_mm256_or_si256(_mm256_and_si256(l, _mm256_set1_epi32(15)),
+                                      _mm256_and_si256(h, _mm256_set1_epi32(16))), s, m);
+    }
+}
+
 #else
 typedef float vec;
 #define LANES 1
@@ -189,6 +304,29 @@ INLINE void int4_group(const uint8_t *q, float s, float m, vec w[]) {
 INLINE void int8_group(const int8_t *q, float s, vec w[]) {
     for (int j = 0; j < GROUP; j++) w[j] = s * (float)q[j];
 }
+
+INLINE void q4k_group(const uint8_t *q, int shift, float s, float m, vec w[]) {
+    for (int j = 0; j < GROUP; j++) w[j] = s * (float)((q[j] >> shift) & 15) + m;
+}
+
+INLINE void q5k_group(const uint8_t *qs, const uint8_t *qh, int shift, int bit, float s, float m, vec w[]) {
+    for (int j = 0; j < GROUP; j++) w[j] = s * (float)(((qs[j] >> shift) & 15) | (((qh[j] >> bit) & 1) << 4)) + m;
+}
+
+INLINE void q6k_group(const uint8_t *ql, const uint8_t *qh, int shift, int shift_h, const float *s, const float *m,
+                      vec w[]) {
+    for (int j = 0; j < GROUP; j++)
+        w[j] = s[j / 16] * (float)(((ql[j] >> shift) & 15) | (((qh[j] >> shift_h) & 3) << 4)) + m[j / 16];
+}
+
+INLINE void q50_group(const uint8_t *block, float s, float m, vec w[]) {
+    uint32_t bits;
+    memcpy(&bits, block + 2, sizeof bits);
+    for (int j = 0; j < GROUP / 2; j++) {
+        w[j] = s * (float)((block[6 + j] & 15) | (((bits >> j) & 1) << 4)) + m;
+        w[j + GROUP / 2] = s * (float)((block[6 + j] >> 4) | (((bits >> (j + 16)) & 1) << 4)) + m;
+    }
+}
 #endif
 
 #define VECTORS (GROUP / LANES)
@@ -203,14 +341,88 @@ INLINE void int8_group(const int8_t *q, float s, vec w[]) {
 #define ROWS_OF_W 1
 #endif
 
+/* ---- the formats of W ---------------------------------------------------------------------------------------- */
+
+/* Each is a constant at every call (the dispatch below), so its branches fold away. */
+enum { F32, INT8, INT4, Q4_K, Q5_K, Q6_K, Q5_0 };
+
+/* GGUF's blocks: values and bytes per block, and its groups of 32 (a group's own scale and minimum). */
+#define BLOCK_VALUES(fmt) ((fmt) == Q5_0 ? 32 : 256)
+#define BLOCK_BYTES(fmt) ((fmt) == Q4_K ? 144 : (fmt) == Q5_K ? 176 : (fmt) == Q6_K ? 210 : 22)
+#define GGUF(fmt) ((fmt) >= Q4_K)
+#define SCALES_PER_GROUP(fmt) ((fmt) == Q6_K ? 2 : 1) /* Q6_K scales every 16 values */
+
+INLINE int64_t row_bytes_of(const int fmt, int64_t K) {
+    if (GGUF(fmt)) return K / BLOCK_VALUES(fmt) * BLOCK_BYTES(fmt);
+    return fmt == INT4 ? K / 2 : fmt == INT8 ? K : 4 * K;
+}
+
+INLINE float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return half_to_float(h);
+}
+
+/* A row of W's group scales and minimums as floats, for a GGUF block format: the products d * sc and dmin * m that
+   the reference computes (exact in float32), so that scale * q + min rounds as its d * sc * q - dmin * m does.
+   Q6_K: two per group (one per 16 values), min = -32 scale; Q5_0: min = -16 d (q - 32 and q - 16, exactly). */
+INLINE void block_scales(const int fmt, const uint8_t *row, int64_t K, float *s, float *mn) {
+    for (int64_t b = 0; b < K / BLOCK_VALUES(fmt); b++) {
+        const uint8_t *block = row + b * BLOCK_BYTES(fmt);
+        if (fmt == Q5_0) {
+            s[b] = half_at(block);
+            mn[b] = -16.0f * s[b];
+        } else if (fmt == Q6_K) {
+            const float d = half_at(block + 208);
+            for (int i = 0; i < 16; i++) {
+                s[16 * b + i] = d * (float)(int8_t)block[192 + i];
+                mn[16 * b + i] = -32.0f * s[16 * b + i];
+            }
+        } else { /* Q4_K, Q5_K: 8 six-bit scales and minimums packed in 12 bytes (formats.py _k_scales) */
+            const float d = half_at(block), dmin = half_at(block + 2);
+            const uint8_t *p = block + 4;
+            for (int i = 0; i < 8; i++) {
+                const int sc = i < 4 ? p[i] & 63 : (p[i + 4] & 15) | ((p[i - 4] >> 6) << 4);
+                const int m = i < 4 ? p[i + 4] & 63 : (p[i + 4] >> 4) | ((p[i] >> 6) << 4);
+                s[8 * b + i] = d * (float)sc;
+                mn[8 * b + i] = -(dmin * (float)m);
+            }
+        }
+    }
+}
+
+/* Group g of a row of W (32 weights) as vectors; s and mn the row's scales and minimums. */
+INLINE void group_weights(const int fmt, const uint8_t *row, int64_t g, const float *s, const float *mn, vec w[]) {
+    const int i = g % 8; /* the group within a 256-value block */
+    const uint8_t *block = GGUF(fmt) ? row + g * 32 / BLOCK_VALUES(fmt) * BLOCK_BYTES(fmt) : row;
+    switch (fmt) {
+        case INT4: int4_group(row + g * GROUP / 2, s[g], mn[g], w); break;
+        case INT8: int8_group((const int8_t *)row + g * GROUP, s[g], w); break;
+        case F32:
+            for (int v = 0; v < VECTORS; v++) w[v] = vec_load((const float *)row + g * GROUP + v * LANES);
+            break;
+        /* Q4_K: 128 bytes of nibbles after 16 of scales, 32 bytes per pair of groups (low nibbles, then high). */
+        case Q4_K: q4k_group(block + 16 + (i / 2) * 32, (i % 2) * 4, s[g], mn[g], w); break;
+        /* Q5_K: as Q4_K after 32 bytes of 5th bits (bit i of byte l for value l of group i). */
+        case Q5_K: q5k_group(block + 48 + (i / 2) * 32, block + 16, (i % 2) * 4, i, s[g], mn[g], w); break;
+        /* Q6_K: two halves of 128 values; in each, 64 bytes of low nibbles (groups 0, 1 low, then 2, 3 high) and
+           32 bytes of 2-bit pairs (group k at bits 2k). */
+        case Q6_K:
+            q6k_group(block + (i / 4) * 64 + (i % 2) * 32, block + 128 + (i / 4) * 32, (i / 2 % 2) * 4, (i % 4) * 2,
+                      s + 2 * g, mn + 2 * g, w);
+            break;
+        case Q5_0: q50_group(block, s[g], mn[g], w); break;
+    }
+}
+
 /* ---- a tile: tile_n rows of W against tile_m rows of x ------------------------------------------------------- */
 
-/* W's rows are `row_bytes` apart from q; s and mn hold each row's group scales and mins as floats, `groups` apart.
-   `tile_m`, `tile_n` and `bits` (4, 8, or 32 for float32 W) are constants at every call (the dispatch below), so
-   the branches fold away. */
+/* W's rows are `row_bytes` apart from q; s and mn hold each row's group scales and mins as floats, `stride` apart.
+   `tile_m`, `tile_n` and `fmt` are constants at every call (the dispatch below), so the branches fold away. */
 INLINE void dot_tile(const float *x, int64_t K, const uint8_t *q, int64_t row_bytes, const float *s, const float *mn,
-                     float *y, int64_t N, const int tile_m, const int tile_n, const int bits, const int prefetch) {
-    const int64_t groups = K / GROUP, group_bytes = GROUP * bits / 8;
+                     int64_t stride, float *y, int64_t N, const int tile_m, const int tile_n, const int fmt,
+                     const int prefetch) {
+    const int64_t groups = K / GROUP;
     /* Prefetch the next tile's rows (a tile of float32 rows is longer than PREFETCH_BYTES). */
     const int64_t ahead = tile_n * row_bytes > PREFETCH_BYTES ? tile_n * row_bytes : PREFETCH_BYTES;
     /* A small tile has too few accumulators to hide the FMAs' latency: give each two, for alternate vectors. */
@@ -220,19 +432,15 @@ INLINE void dot_tile(const float *x, int64_t K, const uint8_t *q, int64_t row_by
         for (int r = 0; r < tile_m; r++) acc[j][r][0] = acc[j][r][1] = vec_zero();
     for (int64_t g = 0; g < groups; g++) {
         for (int j = 0; j < tile_n; j++) {
-            const uint8_t *qg = q + j * row_bytes + g * group_bytes;
+            const uint8_t *row = q + j * row_bytes;
 #if LANES > 1
-            if (prefetch) {
-                _mm_prefetch((const char *)qg + ahead, _MM_HINT_T0);
-                if (bits == 32) _mm_prefetch((const char *)qg + ahead + 64, _MM_HINT_T0);
+            if (prefetch) { /* where group g's bytes are, about (exactly for our formats) */
+                const char *at = (const char *)row + g * row_bytes_of(fmt, 256) / 8 + ahead;
+                _mm_prefetch(at, _MM_HINT_T0);
+                if (fmt == F32) _mm_prefetch(at + 64, _MM_HINT_T0);
             }
 #endif
-            if (bits == 4)
-                int4_group(qg, s[j * groups + g], mn[j * groups + g], w[j]);
-            else if (bits == 8)
-                int8_group((const int8_t *)qg, s[j * groups + g], w[j]);
-            else
-                for (int i = 0; i < VECTORS; i++) w[j][i] = vec_load((const float *)qg + i * LANES);
+            group_weights(fmt, row, g, s + j * stride, mn + j * stride, w[j]);
         }
         for (int r = 0; r < tile_m; r++)
             for (int i = 0; i < VECTORS; i++) {
@@ -258,51 +466,58 @@ INLINE void dot_tile(const float *x, int64_t K, const uint8_t *q, int64_t row_by
 /* y[:, n..n+tile_n) for tile_n rows of W: their scales (and mins) as floats once, then every row of x. */
 INLINE void tile_columns(const float *x, int64_t M, int64_t K, const uint8_t *q, int64_t row_bytes,
                          const uint16_t *scale, const uint16_t *mins, float *y, int64_t N, const int tile_n,
-                         const int bits) {
-    const int64_t groups = K / GROUP;
-    float s[ROWS_OF_W * groups], mn[ROWS_OF_W * groups];
-    for (int64_t i = 0; i < tile_n * groups && bits != 32; i++) {
-        s[i] = half_to_float(scale[i]);
-        mn[i] = bits == 4 ? half_to_float(mins[i]) : 0.0f;
-    }
+                         const int fmt) {
+    const int64_t groups = K / GROUP, stride = groups * SCALES_PER_GROUP(fmt);
+    float s[ROWS_OF_W * stride], mn[ROWS_OF_W * stride];
+    if (GGUF(fmt))
+        for (int j = 0; j < tile_n; j++) block_scales(fmt, q + j * row_bytes, K, s + j * stride, mn + j * stride);
+    else
+        for (int64_t i = 0; i < tile_n * groups && fmt != F32; i++) {
+            s[i] = half_to_float(scale[i]);
+            mn[i] = fmt == INT4 ? half_to_float(mins[i]) : 0.0f;
+        }
     /* The first pass over the tile prefetches the next one; the others find this one in the cache. */
     int64_t m = 0;
     if (M >= ROWS_AT_ONCE) {
-        dot_tile(x, K, q, row_bytes, s, mn, y, N, ROWS_AT_ONCE, tile_n, bits, 1);
+        dot_tile(x, K, q, row_bytes, s, mn, stride, y, N, ROWS_AT_ONCE, tile_n, fmt, 1);
         for (m = ROWS_AT_ONCE; m + ROWS_AT_ONCE <= M; m += ROWS_AT_ONCE)
-            dot_tile(x + m * K, K, q, row_bytes, s, mn, y + m * N, N, ROWS_AT_ONCE, tile_n, bits, 0);
+            dot_tile(x + m * K, K, q, row_bytes, s, mn, stride, y + m * N, N, ROWS_AT_ONCE, tile_n, fmt, 0);
     }
     const int first = m == 0;
     _Static_assert(ROWS_AT_ONCE == 4, "the rows of x left over are 1, 2 or 3");
     switch (M - m) {
-        case 3: dot_tile(x + m * K, K, q, row_bytes, s, mn, y + m * N, N, 3, tile_n, bits, first); break;
-        case 2: dot_tile(x + m * K, K, q, row_bytes, s, mn, y + m * N, N, 2, tile_n, bits, first); break;
-        case 1: dot_tile(x + m * K, K, q, row_bytes, s, mn, y + m * N, N, 1, tile_n, bits, first); break;
+        case 3: dot_tile(x + m * K, K, q, row_bytes, s, mn, stride, y + m * N, N, 3, tile_n, fmt, first); break;
+        case 2: dot_tile(x + m * K, K, q, row_bytes, s, mn, stride, y + m * N, N, 2, tile_n, fmt, first); break;
+        case 1: dot_tile(x + m * K, K, q, row_bytes, s, mn, stride, y + m * N, N, 1, tile_n, fmt, first); break;
     }
 }
 
 /* y (M, N) = x (M, K) @ W^T: tiles of ROWS_OF_W rows of W, then W's last rows one by one, split across threads.
    With one row of x there is nothing to share a weight vector with: W's rows go one by one (measured faster).
-   One function per format: OpenMP moves the loop body into a function of its own, where a `bits` argument would
+   One function per format: OpenMP moves the loop body into a function of its own, where a `fmt` argument would
    no longer be a constant that the compiler folds. */
-#define DEFINE_LINEAR(NAME, BITS)                                                                                    \
+#define DEFINE_LINEAR(NAME, FMT)                                                                                     \
     static void NAME(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *scale,                  \
                      const uint16_t *mins, int64_t N, float *y) {                                                    \
-        const int64_t groups = K / GROUP, row_bytes = K * BITS / 8;                                                  \
+        const int64_t groups = K / GROUP, row_bytes = row_bytes_of(FMT, K);                                          \
         const int64_t tiles = M == 1 ? 0 : N / ROWS_OF_W, tiled = tiles * ROWS_OF_W;                                 \
         _Pragma("omp parallel for schedule(static)") for (int64_t unit = 0; unit < tiles + (N - tiled); unit++) {    \
             const int64_t n = unit < tiles ? unit * ROWS_OF_W : tiled + (unit - tiles);                              \
             const uint16_t *scales = scale ? scale + n * groups : NULL, *minimums = mins ? mins + n * groups : NULL;  \
             if (unit < tiles)                                                                                        \
-                tile_columns(x, M, K, q + n * row_bytes, row_bytes, scales, minimums, y + n, N, ROWS_OF_W, BITS);    \
+                tile_columns(x, M, K, q + n * row_bytes, row_bytes, scales, minimums, y + n, N, ROWS_OF_W, FMT);     \
             else                                                                                                     \
-                tile_columns(x, M, K, q + n * row_bytes, row_bytes, scales, minimums, y + n, N, 1, BITS);            \
+                tile_columns(x, M, K, q + n * row_bytes, row_bytes, scales, minimums, y + n, N, 1, FMT);             \
         }                                                                                                            \
     }
 
-DEFINE_LINEAR(linear_int4, 4)
-DEFINE_LINEAR(linear_int8, 8)
-DEFINE_LINEAR(linear_f32, 32)
+DEFINE_LINEAR(linear_int4, INT4)
+DEFINE_LINEAR(linear_int8, INT8)
+DEFINE_LINEAR(linear_f32, F32)
+DEFINE_LINEAR(linear_q4_k, Q4_K)
+DEFINE_LINEAR(linear_q5_k, Q5_K)
+DEFINE_LINEAR(linear_q6_k, Q6_K)
+DEFINE_LINEAR(linear_q5_0, Q5_0)
 
 void accessory_linear_int4(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *scale,
                            const uint16_t *mins, int64_t N, float *y) {
@@ -317,6 +532,19 @@ void accessory_linear_int8(const float *x, int64_t M, int64_t K, const int8_t *q
 /* Float32 W (N, K), K a multiple of 32: for a few rows of x, where a GEMM library's blocking does not pay. */
 void accessory_linear_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y) {
     linear_f32(x, M, K, (const uint8_t *)w, NULL, NULL, N, y);
+}
+
+/* GGUF's block formats: W (N, K) as N rows of K / block blocks, each as the file holds it; K a multiple of the
+   block (256 values; 32 for Q5_0). `fmt` is the format's name, as quant/formats.py spells it. Returns 0, or -1 for
+   a name it does not know. */
+int accessory_linear_gguf(const char *fmt, const float *x, int64_t M, int64_t K, const uint8_t *q, int64_t N,
+                          float *y) {
+    if (!strcmp(fmt, "q4_k")) linear_q4_k(x, M, K, q, NULL, NULL, N, y);
+    else if (!strcmp(fmt, "q5_k")) linear_q5_k(x, M, K, q, NULL, NULL, N, y);
+    else if (!strcmp(fmt, "q6_k")) linear_q6_k(x, M, K, q, NULL, NULL, N, y);
+    else if (!strcmp(fmt, "q5_0")) linear_q5_0(x, M, K, q, NULL, NULL, N, y);
+    else return -1;
+    return 0;
 }
 
 /* ---- attention of one new token per row, over its own cached positions ------------------------------------- */

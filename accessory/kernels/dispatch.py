@@ -5,8 +5,9 @@ torch path that computes the same values by other arithmetic.
   decode steps); F.linear (the BLAS library) for one row (its matrix-vector product is as fast: both stream W at the
   memory's speed), more rows, other dtypes and devices.
 - `quantized_linear`: x @ W^T for a quantized W. The kernels take up to KERNEL_MAX_ROWS rows of float32 x on the
-  CPU, and up to MAX_ROWS rows of bfloat16 / float16 x on CUDA (Triton kernels, cuda.py); more rows (prefill),
-  float32 on CUDA, or no kernels: W is dequantized in row chunks for F.linear.
+  CPU (any format), and up to MAX_ROWS rows of bfloat16 / float16 x on CUDA (Triton kernels, cuda.py; int8 / int4);
+  more rows (prefill), float32 on CUDA, GGUF's block formats on CUDA, or no kernels: W is dequantized in row chunks
+  for F.linear.
 - `decode_attention`: one query per cache row over that row's own cached positions. The kernel on the CPU with
   float32 caches; elsewhere, SDPA over the first `columns` columns with the position mask.
 
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from accessory.kernels.cuda import takes as cuda_takes
 from accessory.kernels.build import cpu_kernels, loaded
-from accessory.quant.formats import dequantize
+from accessory.quant.formats import QUANTIZERS, dequantize
 
 # Rows of x above which the library's GEMM beats the kernels: with W float32, and with W quantized (dequantized in
 # chunks first). Measured on SmolLM2's shapes (benchmarks/README.md).
@@ -44,14 +45,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def quantized_linear(x: torch.Tensor, fmt: str, q: torch.Tensor, scale: torch.Tensor,
-                     minimum: Optional[torch.Tensor]) -> torch.Tensor:
+def quantized_linear(x: torch.Tensor, fmt: str, q: torch.Tensor, scale: Optional[torch.Tensor] = None,
+                     minimum: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x (..., in) @ W^T -> (..., out) in x's dtype, W given by its parts in `fmt` (formats.py)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] <= KERNEL_MAX_ROWS and _kernels_here(x.device):
         out = torch.ops.accessory.quantized_linear_cpu(rows.float().contiguous(), fmt, q, scale, minimum)
         out = out.to(x.dtype)
-    elif cuda_takes(rows):
+    elif fmt in QUANTIZERS and cuda_takes(rows):
         out = torch.ops.accessory.quantized_linear_cuda(rows.contiguous(), fmt, q, scale, minimum)
     else:
         out = _dequantized_product(rows, fmt, q, scale, minimum)
@@ -63,9 +64,8 @@ def _dequantized_product(x, fmt, q, scale, minimum) -> torch.Tensor:
     step = max(1, CHUNK_BYTES // (4 * x.shape[-1]))
     outs = []
     for start in range(0, q.shape[0], step):
-        parts = {"q": q[start:start + step], "scale": scale[start:start + step]}
-        if minimum is not None:
-            parts["min"] = minimum[start:start + step]
+        parts = {name: part[start:start + step] for name, part in (("q", q), ("scale", scale), ("min", minimum))
+                 if part is not None}
         outs.append(F.linear(x, dequantize(parts, fmt, x.dtype)))
     return torch.cat(outs, dim=-1)
 

@@ -1,4 +1,4 @@
-// The CPU kernels of kernels.c as torch operators (accessory::linear_cpu, quantized_linear_cpu,
+// The CPU kernels of cpu_kernels.c as torch operators (accessory::linear_cpu, quantized_linear_cpu,
 // decode_attention_cpu),
 // so that eager code and torch.compile's generated code both reach them through the dispatcher at C++ cost.
 #include <ATen/core/Tensor.h>
@@ -6,25 +6,51 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include <string>
+
 extern "C" {
 void accessory_linear_int4(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *scale,
                            const uint16_t *mins, int64_t N, float *y);
 void accessory_linear_int8(const float *x, int64_t M, int64_t K, const int8_t *q, const uint16_t *scale, int64_t N,
                            float *y);
 void accessory_linear_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y);
+int accessory_linear_gguf(const char *fmt, const float *x, int64_t M, int64_t K, const uint8_t *q, int64_t N,
+                          float *y);
 void accessory_decode_attention(const float *q, const float *k, const float *v, const int64_t *positions, int64_t B,
                                 int64_t H, int64_t Hkv, int64_t S, int64_t D, float *out);
 }
 
+// GGUF's block formats (quant/formats.py GGUF_BLOCKS): values and bytes per block.
+static bool gguf_block(c10::string_view fmt, int64_t &values, int64_t &bytes) {
+    if (fmt == "q4_k") values = 256, bytes = 144;
+    else if (fmt == "q5_k") values = 256, bytes = 176;
+    else if (fmt == "q6_k") values = 256, bytes = 210;
+    else if (fmt == "q5_0") values = 32, bytes = 22;
+    else return false;
+    return true;
+}
+
 static at::Tensor quantized_linear_cpu(const at::Tensor &x, c10::string_view fmt, const at::Tensor &q,
-                                       const at::Tensor &scale, const std::optional<at::Tensor> &minimum) {
+                                       const std::optional<at::Tensor> &scale,
+                                       const std::optional<at::Tensor> &minimum) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
                 "quantized_linear_cpu: x must be a contiguous float32 matrix");
-    TORCH_CHECK(q.is_contiguous() && scale.is_contiguous() && scale.scalar_type() == at::kHalf,
-                "quantized_linear_cpu: q and scale must be contiguous, scale float16");
+    TORCH_CHECK(q.dim() == 2 && q.is_contiguous(), "quantized_linear_cpu: q must be a contiguous matrix");
     const int64_t rows = x.size(0), features = x.size(1), outputs = q.size(0);
     at::Tensor y = at::empty({rows, outputs}, x.options());
-    const auto *scales = reinterpret_cast<const uint16_t *>(scale.data_ptr());
+    int64_t values = 0, bytes = 0;
+    if (gguf_block(fmt, values, bytes)) {
+        TORCH_CHECK(q.scalar_type() == at::kByte && features % values == 0 && q.size(1) == features / values * bytes,
+                    "quantized_linear_cpu: ", fmt, " needs uint8 q (out, in / ", values, " * ", bytes,
+                    ") and in a multiple of ", values);
+        const std::string name(fmt.data(), fmt.size());
+        accessory_linear_gguf(name.c_str(), x.data_ptr<float>(), rows, features, q.data_ptr<uint8_t>(), outputs,
+                              y.data_ptr<float>());
+        return y;
+    }
+    TORCH_CHECK(scale.has_value() && scale->is_contiguous() && scale->scalar_type() == at::kHalf,
+                "quantized_linear_cpu: ", fmt, " needs a contiguous float16 scale");
+    const auto *scales = reinterpret_cast<const uint16_t *>(scale->data_ptr());
     if (fmt == "int4") {
         TORCH_CHECK(minimum.has_value() && minimum->is_contiguous() && q.scalar_type() == at::kByte &&
                     q.size(1) * 2 == features, "quantized_linear_cpu: int4 needs uint8 q (out, in / 2) and min");
@@ -65,7 +91,7 @@ static at::Tensor decode_attention_cpu(const at::Tensor &q, const at::Tensor &k,
 }
 
 TORCH_LIBRARY(accessory, m) {
-    m.def("quantized_linear_cpu(Tensor x, str fmt, Tensor q, Tensor scale, Tensor? minimum) -> Tensor");
+    m.def("quantized_linear_cpu(Tensor x, str fmt, Tensor q, Tensor? scale, Tensor? minimum) -> Tensor");
     m.def("linear_cpu(Tensor x, Tensor w) -> Tensor");
     m.def("decode_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor positions) -> Tensor");
 }

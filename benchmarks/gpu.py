@@ -1,5 +1,6 @@
 """The CUDA path measured on one GPU: a Llama-2-7B-shaped checkpoint (random bfloat16 weights) against the GPU's
-own ceilings and HF transformers on the same weights, in one run of under 10 minutes.
+own ceilings and HF transformers on the same weights, in one run (meant to take under 10 minutes; on an H100 it
+does not yet: the compiled step compiles again for every batch size, 80-120 s each; benchmarks/README.md, "GPU").
 
 Parts, in order (`--parts` picks some; each prints its table as it ends, and results.json is rewritten after each):
 
@@ -16,7 +17,7 @@ Parts, in order (`--parts` picks some; each prints its table as it ends, and res
   128 new tokens at batch 1, 8, 32, 64 (prompts of 4 to 70 tokens, benchmarks/decode.py's) eager and compiled (CUDA
   graphs), one warm-up call (16 tokens, the same graphs) then one timed call through the engine (scheduler,
   sampling, detokenization, as `generate`); the time to first token of a 1,000-token prompt (median of 3), and a
-  torch.profiler table of a few steps at batch 1.
+  torch.profiler table of a few steps at batch 1 (profiles.txt).
 - `hf`: `LlamaForCausalLM.generate` on the same weights (q/k permuted to HF's layout, bfloat16, SDPA), eager
   (its dynamic cache) and with `cache_implementation="static"` (which compiles the decoding forward,
   "reduce-overhead": CUDA graphs), at batch 1 and 32, `min_new_tokens` = `max_new_tokens` = 128, left-padded.

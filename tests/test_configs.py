@@ -206,9 +206,9 @@ def test_llama31_rope_scaling_matches_transformers(path):
     hf_config = LlamaConfig(hidden_size=args.dim, num_attention_heads=args.n_heads, rope_theta=args.rope_theta,
                             rope_scaling=dict(args.rope_scaling), max_position_embeddings=131072)
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
-    ours = rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling)
+    ours, _ = rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling)
     torch.testing.assert_close(ours, expected.float(), rtol=1e-6, atol=0)
-    plain = rope_frequencies(args.head_dim, args.rope_theta, None)
+    plain, _ = rope_frequencies(args.head_dim, args.rope_theta, None)
     kept, divided = ours == plain, torch.isclose(ours, plain / 8)
     assert kept.any() and divided.any() and (~kept & ~divided).any()  # the rule's three bands all occur
 
@@ -340,3 +340,23 @@ def test_chat_template_errors_name_the_file(text, expected, tmp_path, capsys):
     config = write_yaml(tmp_path / "run.yaml", f"chat-template: {path}\n")  # the same check through a config
     assert_matches(expected.replace("argument --chat-template/--chat_template", "run.yaml: chat-template"),
                                 usage_error(["serve", "--config", config], capsys))
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},  # Qwen2.5's long context
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096, "beta_fast": 16, "beta_slow": 2,
+     "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False},
+])
+def test_yarn_rope_scaling_matches_transformers(scaling):
+    """YaRN's frequencies and its cos/sin factor, as transformers computes them."""
+    from transformers import Qwen2Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from accessory.model.components import rope_frequencies
+
+    hf_config = Qwen2Config(hidden_size=1024, num_attention_heads=8,
+                            rope_parameters={**scaling, "rope_theta": 1e6}, max_position_embeddings=131072)
+    expected, attention = ROPE_INIT_FUNCTIONS["yarn"](hf_config, "cpu")
+    ours, factor = rope_frequencies(128, 1e6, scaling)
+    torch.testing.assert_close(ours, expected.float(), rtol=1e-6, atol=0)
+    assert factor == pytest.approx(attention) and factor != 1.0

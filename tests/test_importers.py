@@ -182,8 +182,9 @@ def test_llama3_rope_freqs_recovered_and_refused():
 
 
 def test_gguf_wrong_architecture(tmp_path):
-    _write_gguf(tmp_path / "q.gguf", {}, arch="qwen2")
-    with pytest.raises(CheckpointError, match=r"q\.gguf: general\.architecture is 'qwen2'"):
+    _write_gguf(tmp_path / "q.gguf", {}, arch="bert")
+    with pytest.raises(CheckpointError, match=r"q\.gguf: general\.architecture is 'bert'; these GGUF architectures "
+                                              r"can be imported: \['gemma3', 'llama', 'qwen2', 'qwen3'\]"):
         read_gguf(tmp_path / "q.gguf", tmp_path / "tok")
 
 
@@ -310,15 +311,21 @@ def test_hf_missing_config(tmp_path):
 
 
 def test_hf_wrong_architecture(tmp_path):
-    _write_config(tmp_path, architectures=["MistralForCausalLM"], model_type="mistral")
-    with pytest.raises(CheckpointError, match=r"config\.json: architectures is \['MistralForCausalLM'\]"):
+    _write_config(tmp_path, architectures=["PhiForCausalLM"], model_type="phi")
+    with pytest.raises(CheckpointError, match=r"config\.json: architectures is \['PhiForCausalLM'\]; these can be "
+                                              r"imported: \['Gemma3ForCausalLM', .*'Qwen3ForCausalLM', "
+                                              r"'LlavaForConditionalGeneration'\]"):
         read_hf(tmp_path)
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"head_dim": 32}, r"config\.json: head_dim 32 differs"),
+    ({"hidden_act": "gelu"}, r"config\.json: hidden_act 'gelu' is not supported"),
     ({"attention_bias": True}, r"config\.json: attention_bias is true"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"config\.json: rope scaling type 'yarn'"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, r"config\.json: rope scaling type 'dynamic'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"config\.json: yarn rope scaling lacks key\(s\) "
+                                                              r"\['original_max_position_embeddings'\]"),
+    ({"layer_types": ["chunked_attention"] * 2}, r"config\.json: layer_types \['chunked_attention'\] are not "
+                                                  r"supported"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, r"config\.json: llama3 rope scaling lacks"),
     ({"num_attention_heads": 3}, r"config\.json: .*dim \(64\) must be divisible by n_heads \(3\)"),
 ])

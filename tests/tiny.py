@@ -104,3 +104,47 @@ def build_tiny_llava(folder, tokenizer, tower: str = "clip"):
     model.save_pretrained(folder)
     (Path(folder) / "tokenizer.model").write_bytes(Path(tokenizer).read_bytes())
     return model
+
+
+# Tiny random models of each family as transformers builds them (tests/test_families.py): GQA, and what each family
+# has of its own (qkv bias, q/k norm with an explicit head_dim, a sliding window, Gemma's everything).
+WINDOW = 24  # the sliding window of the windowed families: prompts of 60 tokens cross it
+FAMILY_CONFIGS = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=WINDOW, head_dim=16)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=32, num_key_value_heads=1, num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"], final_logit_softcapping=30.0,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})),
+}
+
+
+def build_tiny_family(family: str, folder, tokenizer, **changes):
+    """A tiny random HF model of `family` (FAMILY_CONFIGS, with `changes` to its config), saved with
+    `save_pretrained` beside a LLaMA SentencePiece tokenizer: what `accessory convert hf` imports. Weights are
+    livelier than transformers' initialisation (clear greedy choices). Returns the HF model."""
+    import transformers
+
+    config_class, model_class, own = FAMILY_CONFIGS[family]
+    values = dict(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+    config = getattr(transformers, config_class)(**{**values, **own, **changes})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config).eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:  # Gemma stores w for a scale of 1 + w
+                param.copy_((family != "gemma3") + 0.1 * torch.randn(param.shape, generator=generator))
+            elif name.endswith("bias"):
+                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
+            elif "embed_tokens" in name:  # Gemma multiplies its embeddings by sqrt(hidden_size)
+                scale = 0.25 / (config.hidden_size ** 0.5 if family == "gemma3" else 1)
+                param.copy_(scale * torch.randn(param.shape, generator=generator))
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) / param[0].numel() ** 0.5)
+    model.save_pretrained(folder)
+    (Path(folder) / "tokenizer.model").write_bytes(Path(tokenizer).read_bytes())
+    return model

@@ -342,8 +342,8 @@ class Batch:
             raise ValueError(f"prompt lengths {lengths} must be in 1..{self.columns - 1} (the cache's columns)")
         first = len(self.cached)
         held = [self._contents(prompt, image) for prompt, image in zip(prompts, images)]
-        plans = (plan_reuse(held, self.cached, self.retained) if self.engine.settings.prefix_cache
-                 else [None] * len(prompts))
+        plans = (plan_reuse(held, self.cached, self.retained, self.model.reusable_prefix)
+                 if self.engine.settings.prefix_cache else [None] * len(prompts))
         self.cached += held
         pasts = [plan.length if plan else 0 for plan in plans]
         order, logits = [], []

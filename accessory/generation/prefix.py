@@ -10,7 +10,7 @@ in a few extra cache rows (`RetainedRows`, least recently used evicted first).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 # Shorter shared prefixes (the BOS token, a chat template's first header) are not reused: they save less compute
 # than the copies cost, and a prompt reusing one from a prompt admitted in the same step waits for its prefill.
@@ -77,18 +77,20 @@ class RetainedRows:
             self.order.append(slot)
 
 
-def plan_reuse(prompts: Sequence[list[int]], live: Sequence[list[int]],
-               retained: RetainedRows) -> list[Optional[Reuse]]:
+def plan_reuse(prompts: Sequence[list[int]], live: Sequence[list[int]], retained: RetainedRows,
+               usable: Callable[[int, int], int] = lambda length, held: length) -> list[Optional[Reuse]]:
     """For each prompt admitted into rows len(live), len(live)+1, ...: where to copy its longest cached prefix
     from (a live row, a kept sequence, or a prompt before it in `prompts`), or None. At least the prompt's last
-    token is always recomputed: its logits are needed."""
+    token is always recomputed: its logits are needed. `usable(length, held)`: how much of a shared prefix of
+    `length` tokens a row holding `held` tokens can give (the model's `reusable_prefix`: a sliding-window layer's
+    ring keeps only a row's last positions)."""
     sources = [(row, tokens, None) for row, tokens in enumerate(live)]
     sources += [(row, tokens, None) for row, tokens in retained.candidates()]
     plans = []
     for i, prompt in enumerate(prompts):
         best = None
         for row, tokens, after in sources:
-            length = min(common_prefix(prompt, tokens), len(prompt) - 1)
+            length = usable(min(common_prefix(prompt, tokens), len(prompt) - 1), len(tokens))
             if length >= MIN_REUSE and (best is None or length > best.length):
                 best = Reuse(row, length, after)
         plans.append(best)

@@ -1,6 +1,9 @@
-"""Shared LLaMA-family blocks: RMSNorm, rotary embeddings, the KV cache, attention and the SwiGLU feed-forward.
+"""Shared decoder blocks of every family: RMSNorm (with Gemma's +1 offset or without), rotary embeddings (linear,
+llama3 and yarn scaling), the KV cache (whole, or a ring holding a sliding window), attention (optional qkv bias,
+per-head q/k norm, a query scale, a sliding window) and the gated feed-forward (SiLU or GELU-tanh).
 
-Model files (model/LLM/<type>.py) only wire these; there is one implementation of each idea.
+Model files (model/LLM/<type>.py) only wire these; there is one implementation of each idea. The blocks read what
+they need from the family's ModelArgs (`args`): sizes, and its traits (`qkv_bias`, `qk_norm`, `norm_offset`, ...).
 
 Attention runs three ways, all on the same weights:
 - `forward`: whole sequences from position 0, nothing cached (scoring);
@@ -12,6 +15,7 @@ Attention runs three ways, all on the same weights:
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
@@ -27,32 +31,44 @@ from accessory.quant.formats import GROUP
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
+    """x / rms(x) * weight; with `offset` (Gemma's 1.0), x / rms(x) * (offset + weight), as Gemma stores its norms."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 (bf16 loses too much in the mean of squares), scale in the input dtype, as Meta does.
+        # Normalise in float32 (bf16 loses too much in the mean of squares). Meta scales in the input dtype; Gemma
+        # scales in float32 by (1 + w), which in bf16 would round 1 + w away.
         x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (normed * (self.offset + self.weight.float())).type_as(x)
+        return normed.type_as(x) * self.weight
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: Union[None, float, dict]) -> torch.Tensor:
-    """Per-pair rotation frequencies (head_dim / 2,), float32, with linear or llama3 scaling applied."""
+ROPE_TYPES = ("linear", "llama3", "yarn")
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: Union[None, float, dict]) -> tuple[torch.Tensor, float]:
+    """Per-pair rotation frequencies (head_dim / 2,), float32, with linear, llama3 or yarn scaling applied; and the
+    factor yarn scales cos and sin by (1.0 otherwise)."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     if scaling is None:
-        return freqs
+        return freqs, 1.0
     if isinstance(scaling, (int, float)):  # LLaMA2-Accessory's form: a linear position-interpolation factor
         scaling = {"rope_type": "linear", "factor": float(scaling)}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
-        return freqs / scaling["factor"]  # same as dividing positions by the factor
+        return freqs / scaling["factor"], 1.0  # same as dividing positions by the factor
     if kind == "llama3":
         return _llama3_scaled(freqs, scaling["factor"], scaling.get("low_freq_factor", 1.0),
                               scaling.get("high_freq_factor", 4.0),
-                              scaling.get("original_max_position_embeddings", 8192))
-    raise ConfigError(f"unknown rope_scaling type {kind!r} in {scaling}; known: 'linear', 'llama3'")
+                              scaling.get("original_max_position_embeddings", 8192)), 1.0
+    if kind == "yarn":
+        return _yarn_scaled(freqs, theta, scaling)
+    raise ConfigError(f"unknown rope_scaling type {kind!r} in {scaling}; known: {list(ROPE_TYPES)}")
 
 
 def _llama3_scaled(freqs, factor, low_freq_factor, high_freq_factor, old_context_len) -> torch.Tensor:
@@ -64,12 +80,41 @@ def _llama3_scaled(freqs, factor, low_freq_factor, high_freq_factor, old_context
     return torch.where(wavelen < old_context_len / high_freq_factor, freqs, out)
 
 
-def rope_table(freqs: torch.Tensor, max_seq_len: int, device: torch.device) -> torch.Tensor:
-    """Rotations for positions 0..max_seq_len-1: (max_seq_len, head_dim / 2, 2) float32, [cos, sin] last.
+def _yarn_scaled(freqs: torch.Tensor, theta: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    # YaRN (Qwen2.5's long-context setting), as transformers computes it: frequencies that turn fewer than
+    # beta_slow times over the original context are interpolated (divided by factor), those turning more than
+    # beta_fast times are kept, with a linear ramp between; cos and sin are scaled by the attention factor.
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    dim = 2 * freqs.numel()
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        both = scaling.get("mscale") and scaling.get("mscale_all_dim")
+        attention = (mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"]) if both
+                     else mscale(factor))
+
+    def turns_to_dim(turns: float) -> float:
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = turns_to_dim(scaling.get("beta_fast") or 32), turns_to_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    return freqs / factor * (1 - keep) + freqs * keep, float(attention)
+
+
+def rope_table(freqs: torch.Tensor, max_seq_len: int, device: torch.device, scale: float = 1.0) -> torch.Tensor:
+    """Rotations for positions 0..max_seq_len-1: (max_seq_len, head_dim / 2, 2) float32, [cos, sin] last (times
+    `scale`: yarn's attention factor).
 
     Real-valued (not complex), so the compiler can fuse it."""
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
-    return torch.stack((angles.cos(), angles.sin()), dim=-1).to(device)
+    return (torch.stack((angles.cos(), angles.sin()), dim=-1) * scale).to(device)
 
 
 def apply_rope(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
@@ -86,25 +131,33 @@ class KVCache(nn.Module):
     """Preallocated keys and values for one attention layer: (rows, n_local_kv_heads, columns, head_dim).
 
     A row holds one sequence; its token at RoPE position p lives in column p, so rows at different positions
-    share the cache (continuous batching) and no row ever needs padding.
+    share the cache (continuous batching) and no row ever needs padding. A sliding-window layer's cache is a ring
+    (`ring`): it has at most `window` columns, and position p lives in column p % columns, so it holds the last
+    `columns` positions of each row, all that layer ever attends to.
     """
 
-    def __init__(self, rows: int, n_kv_heads: int, columns: int, head_dim: int, dtype, device):
+    def __init__(self, rows: int, n_kv_heads: int, columns: int, head_dim: int, dtype, device, ring: bool = False):
         super().__init__()
         shape = (rows, n_kv_heads, columns, head_dim)
+        self.columns, self.ring = columns, ring
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
+    def column(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions % self.columns if self.ring else positions
+
     def write(self, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v (N, H, D) of N tokens at cache rows `rows` (N,) and columns `positions` (N,)."""
-        self.k[rows, :, positions] = k  # the advanced indices come first: (N, H, D)
-        self.v[rows, :, positions] = v
+        """Store k, v (N, H, D) of N tokens at cache rows `rows` (N,), positions `positions` (N,). On a ring, no two
+        of the positions may share a column (the write's order among them is undefined)."""
+        columns = self.column(positions)
+        self.k[rows, :, columns] = k  # the advanced indices come first: (N, H, D)
+        self.v[rows, :, columns] = v
 
     def move_rows(self, dst: list[int], src: list[int], end: int) -> None:
-        """Copy rows `src` to rows `dst` (columns up to `end`): a finished row's place is filled by a live one, a
-        finished row is kept for reuse, a prompt takes a cached prefix."""
+        """Copy rows `src` to rows `dst` (positions up to `end`; on a ring, the ones it still holds): a finished
+        row's place is filled by a live one, a finished row is kept for reuse, a prompt takes a cached prefix."""
         if dst:
-            dst_index, src_index = torch.tensor(dst), torch.tensor(src)
+            dst_index, src_index, end = torch.tensor(dst), torch.tensor(src), min(end, self.columns)
             self.k[dst_index, :, :end] = self.k[src_index, :, :end]
             self.v[dst_index, :, :end] = self.v[src_index, :, :end]
 
@@ -131,6 +184,29 @@ def prefill_mask(past: int, length: int, device: torch.device):
     return torch.arange(past + length, device=device) <= torch.arange(past, past + length, device=device)[:, None]
 
 
+def window_mask(queries: torch.Tensor, keys: torch.Tensor, window: int) -> torch.Tensor:
+    """(len(queries), len(keys)) bool: a query at position q sees keys at positions q - window + 1 .. q."""
+    return (keys[None, :] <= queries[:, None]) & (keys[None, :] > queries[:, None] - window)
+
+
+@dataclass(frozen=True)
+class WindowPrefill:
+    """What a sliding-window layer needs for one segment of a packed prefill, the same in every such layer: the
+    ring columns holding the row's last positions before `past` (in position order), and the mask over those and
+    the segment's own tokens."""
+    columns: torch.Tensor  # (held,) ring columns
+    mask: torch.Tensor  # (length, held + length) bool
+    keep: int  # the segment's last `keep` tokens are written to the ring (the others fall out of the window)
+
+
+def window_prefill(seg: Segment, window: int, ring_columns: int, device: torch.device) -> WindowPrefill:
+    held = min(seg.past, ring_columns)
+    past_positions = torch.arange(seg.past - held, seg.past, device=device)
+    new_positions = torch.arange(seg.past, seg.past + seg.length, device=device)
+    mask = window_mask(new_positions, torch.cat((past_positions, new_positions)), window)
+    return WindowPrefill(past_positions % ring_columns, mask, min(seg.length, ring_columns))
+
+
 @dataclass(frozen=True)
 class Linears:
     """The linear layer classes a block is built from: (in_features, out_features, ctx, ...) -> module. Plain
@@ -143,18 +219,30 @@ PLAIN = Linears()
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ctx: ParallelContext, linears: Linears = PLAIN):
+    """Multi-head attention with grouped KV heads, split across ranks by heads. `window`: a sliding-window layer
+    (each token sees the last `window` positions, itself included). The family's traits: `args.qkv_bias` (Qwen2),
+    `args.qk_norm` (an RMSNorm over each head's q and k before RoPE: Qwen3, Gemma 3), `args.attention_scale`."""
+
+    def __init__(self, args, ctx: ParallelContext, linears: Linears = PLAIN, window: Optional[int] = None):
         super().__init__()
-        self.head_dim = dim // n_heads
+        dim, n_heads, n_kv_heads, self.head_dim = args.dim, args.n_heads, args.n_kv_heads, args.head_dim
+        self.window = window
         # KV heads are split across ranks when they are at least as many as the ranks; otherwise each rank holds a
         # copy of the one KV head its query heads use (ranks r*n_kv/world.. share it), so GQA still works.
         kv_parts = min(ctx.world_size, n_kv_heads)
         self.n_local_heads = n_heads // ctx.world_size
         self.n_local_kv_heads = n_kv_heads // kv_parts
-        self.wq = linears.column(dim, n_heads * self.head_dim, ctx)
-        self.wk = linears.column(dim, n_kv_heads * self.head_dim, ctx, parts=kv_parts)
-        self.wv = linears.column(dim, n_kv_heads * self.head_dim, ctx, parts=kv_parts)
+        bias = {"bias": True} if args.qkv_bias else {}
+        self.wq = linears.column(dim, n_heads * self.head_dim, ctx, **bias)
+        self.wk = linears.column(dim, n_kv_heads * self.head_dim, ctx, parts=kv_parts, **bias)
+        self.wv = linears.column(dim, n_kv_heads * self.head_dim, ctx, parts=kv_parts, **bias)
         self.wo = linears.row(n_heads * self.head_dim, dim, ctx)
+        self.q_norm = self.k_norm = None
+        if args.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, args.norm_eps, args.norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, args.norm_eps, args.norm_offset)
+        # SDPA and the kernels scale by head_dim ** -0.5; another scale is applied to q first
+        self.q_scale = args.attention_scale * self.head_dim ** 0.5
         self.wqkv: FusedColumns | None = None  # wq, wk, wv as one product, once `fuse` has run
         self.cache: KVCache | None = None  # set by Transformer.setup_caches; used by prefill and decode
 
@@ -164,11 +252,16 @@ class Attention(nn.Module):
             self.wqkv = FusedColumns([self.wq, self.wk, self.wv])
 
     def _qkv(self, x: torch.Tensor, rotations: torch.Tensor):
-        """q (B, L, H, D), k and v (B, L, H_kv, D), with RoPE applied to q and k."""
+        """q (B, L, H, D), k and v (B, L, H_kv, D), with q/k norm and RoPE applied to q and k."""
         batch, seqlen, _ = x.shape
         q, k, v = self.wqkv(x) if self.wqkv is not None else (self.wq(x), self.wk(x), self.wv(x))
-        q = apply_rope(q.view(batch, seqlen, self.n_local_heads, self.head_dim), rotations)
-        k = apply_rope(k.view(batch, seqlen, self.n_local_kv_heads, self.head_dim), rotations)
+        q = q.view(batch, seqlen, self.n_local_heads, self.head_dim)
+        k = k.view(batch, seqlen, self.n_local_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        q, k = apply_rope(q, rotations), apply_rope(k, rotations)
         return q, k, v.view(batch, seqlen, self.n_local_kv_heads, self.head_dim)
 
     def _out(self, attended: torch.Tensor) -> torch.Tensor:
@@ -179,13 +272,21 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
         """Causal attention over whole sequences (B, L, dim) from position 0; nothing cached."""
         q, k, v = (t.transpose(1, 2) for t in self._qkv(x, rotations))
-        return self._out(F.scaled_dot_product_attention(q, k, v, is_causal=x.shape[1] > 1, enable_gqa=True))
+        length = x.shape[1]
+        if self.window is not None and length > self.window:
+            positions = torch.arange(length, device=x.device)
+            mask = window_mask(positions, positions, self.window)
+            return self._out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
+        return self._out(F.scaled_dot_product_attention(q, k, v, is_causal=length > 1, enable_gqa=True))
 
     def prefill(self, x: torch.Tensor, rotations: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-                segments: list[Segment], masks: list[Optional[torch.Tensor]]) -> torch.Tensor:
-        """Packed prompts x (1, T, dim): token t goes to cache row rows[t], column positions[t]; each segment is
-        one prompt, causal within itself and seeing its row's cached columns before it (its `prefill_mask`)."""
+                segments: list[Segment], masks: list) -> torch.Tensor:
+        """Packed prompts x (1, T, dim): token t goes to cache row rows[t], position positions[t]; each segment is
+        one prompt, causal within itself and seeing its row's cached positions before it: `masks` are the
+        segments' `prefill_mask`s, or on a sliding-window layer their `WindowPrefill`s."""
         q, k, v = self._qkv(x, rotations)  # (1, T, H, D)
+        if self.window is not None:
+            return self._window_prefill(q, k[0], v[0], segments, masks)
         self.cache.write(rows, positions, k[0], v[0])
         q = q.transpose(1, 2)  # (1, H, T, D)
         attended = []
@@ -196,14 +297,33 @@ class Attention(nn.Module):
                                                            attn_mask=mask, is_causal=mask is None, enable_gqa=True))
         return self._out(torch.cat(attended, dim=2))
 
+    def _window_prefill(self, q, k, v, segments: list[Segment], plans: list[WindowPrefill]) -> torch.Tensor:
+        """Each segment attends to the positions its row's ring still holds and to its own keys (from k, v (T, H_kv,
+        D), not the ring: a long prompt overwrites the ring's columns while its first tokens still need them); then
+        its last positions are written to the ring."""
+        q, attended = q.transpose(1, 2), []  # (1, H, T, D)
+        for seg, plan in zip(segments, plans):
+            own = slice(seg.start, seg.start + seg.length)
+            keys = torch.cat((self.cache.k[seg.row, :, plan.columns], k[own].transpose(0, 1)), dim=1)[None]
+            values = torch.cat((self.cache.v[seg.row, :, plan.columns], v[own].transpose(0, 1)), dim=1)[None]
+            attended.append(F.scaled_dot_product_attention(q[:, :, own], keys, values, attn_mask=plan.mask,
+                                                           enable_gqa=True))
+        for seg, plan in zip(segments, plans):
+            last = slice(seg.start + seg.length - plan.keep, seg.start + seg.length)
+            positions = torch.arange(seg.past + seg.length - plan.keep, seg.past + seg.length, device=k.device)
+            self.cache.write(torch.full_like(positions, seg.row), positions, k[last], v[last])
+        return self._out(torch.cat(attended, dim=2))
+
     def decode(self, x: torch.Tensor, rotations: torch.Tensor, positions: torch.Tensor,
                mask: torch.Tensor) -> torch.Tensor:
         """One token per cache row 0..B-1, x (B, 1, dim), at `positions` (B,); `mask` (B, 1, 1, C) says which of
-        the first C cache columns each row sees."""
+        the first C cache columns each row sees (on a ring: which of its columns hold positions already written)."""
         batch = x.shape[0]
         q, k, v = self._qkv(x, rotations)
         rows = torch.arange(batch, device=x.device)
         self.cache.write(rows, positions, k[:, 0], v[:, 0])
+        if self.cache.ring:  # every column holds one of the last `columns` positions, once written
+            positions = positions.clamp(max=self.cache.columns - 1)
         attended = decode_attention(q, self.cache.k, self.cache.v, positions, mask)
         return self._out(attended)
 
@@ -213,11 +333,17 @@ def decode_mask(positions: torch.Tensor, columns: int) -> torch.Tensor:
     return (torch.arange(columns, device=positions.device) <= positions[:, None])[:, None, None, :]
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x), hidden units split across ranks."""
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
 
-    def __init__(self, dim: int, hidden_dim: int, ctx: ParallelContext, linears: Linears = PLAIN):
+
+class FeedForward(nn.Module):
+    """A gated MLP, w2(act(w1 x) * w3 x), hidden units split across ranks: SwiGLU (act silu: LLaMA, Qwen, Mistral)
+    or GeGLU (gelu_tanh: Gemma)."""
+
+    def __init__(self, dim: int, hidden_dim: int, ctx: ParallelContext, linears: Linears = PLAIN,
+                 activation: str = "silu"):
         super().__init__()
+        self.act = ACTIVATIONS[activation]
         self.w1 = linears.column(dim, hidden_dim, ctx)
         self.w2 = linears.row(hidden_dim, dim, ctx)
         self.w3 = linears.column(dim, hidden_dim, ctx)
@@ -230,10 +356,11 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x) if self.w13 is not None else (self.w1(x), self.w3(x))
-        return self.w2(F.silu(gate) * up)
+        return self.w2(self.act(gate) * up)
 
-    def align_hidden(self) -> None:
-        """Split the hidden units on quantization-group boundaries: w2's inputs are quantized in groups of 32, and
-        w1's and w3's outputs must be split as w2's inputs are (meta device, before loading)."""
+    def align_hidden(self, block: int = GROUP) -> None:
+        """Split the hidden units on quantization-block boundaries: w2's inputs are quantized in blocks of `block`
+        (w2's format's: formats.block_size, 32 for int8 / int4, 256 for GGUF's K types), and w1's and w3's outputs
+        must be split as w2's inputs are (meta device, before loading)."""
         for layer in (self.w1, self.w2, self.w3):
-            layer.align_(GROUP)
+            layer.align_(block)

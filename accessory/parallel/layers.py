@@ -11,8 +11,9 @@ slicing on that (never on parameter names). A split that does not divide evenly 
 ceil(size / parts) rows and zero-fills the tail of the last ones: zero rows of w1/w3 feed zero columns of w2, and
 padded output logits are cut off after the gather. So a vocabulary or FFN size need not divide the rank count.
 
-A layer's weight is a float Parameter, or after `quantize_(fmt)` a `QuantizedWeight` (quant/weight.py) in groups of
-32 inputs; a quantized split of the inputs is aligned to whole groups (`align`).
+A layer's weight is a float Parameter, or after `quantize_(fmt)` a `QuantizedWeight` (quant/weight.py) in blocks of
+inputs (groups of 32 for int8 / int4, 32 or 256 for GGUF's block formats); a quantized split of the inputs is
+aligned to whole blocks (`align`), or refused where it cannot be (a split of attention heads).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from accessory.parallel.context import ParallelContext
-from accessory.quant.formats import GROUP
+from accessory.quant.formats import block_size
 from accessory.kernels import linear, quantized_linear
 from accessory.quant.weight import QuantizedWeight
 
@@ -67,10 +68,13 @@ class ParallelWeight(nn.Module):
         """Hold the weight in `fmt` (quant/formats.py) from now on; on the meta device, before loading."""
         if isinstance(self.weight, QuantizedWeight):
             raise ValueError(f"the weight is already {self.weight.fmt}")
-        shard = self.weight_shard
-        if shard is not None and shard.dim == 1 and (shard.start % GROUP or shard.local_size % GROUP):
-            raise ValueError(f"this rank's inputs [{shard.start}, {shard.stop}) of {shard.size} do not fall on "
-                             f"quantization groups of {GROUP}")
+        shard, block = self.weight_shard, block_size(fmt)
+        if shard is not None and shard.dim == 1 and (shard.start % block or shard.local_size % block):
+            ctx = getattr(self, "ctx", None)
+            ranks = f" at {ctx.world_size} model-parallel ranks" if ctx is not None else ""
+            raise ValueError(f"{fmt} stores whole blocks of {block} inputs, but this rank's inputs [{shard.start}, "
+                             f"{shard.stop}) of {shard.size}{ranks} do not fall on them; load it at a rank count "
+                             f"that splits {shard.size} inputs into multiples of {block}")
         quantized = QuantizedWeight(fmt, *self.weight.shape, shard, device=self.weight.device)
         del self.weight  # a registered parameter cannot be replaced by a module in place
         self.weight = quantized
@@ -84,10 +88,11 @@ class ParallelWeight(nn.Module):
 
 
 class ColumnParallelLinear(ParallelWeight):
-    """y = x W^T with W split by output rows. `parts` < world size replicates partitions (used for KV heads)."""
+    """y = x W^T (+ b) with W split by output rows, and the bias b with them. `parts` < world size replicates
+    partitions (used for KV heads)."""
 
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, gather_output: bool = False,
-                 parts: Optional[int] = None, align: int = 1):
+                 parts: Optional[int] = None, align: int = 1, bias: bool = False):
         super().__init__()
         self.parts = parts or ctx.world_size
         if gather_output and self.parts != ctx.world_size:
@@ -95,12 +100,31 @@ class ColumnParallelLinear(ParallelWeight):
         self.ctx, self.out_features, self.gather_output = ctx, out_features, gather_output
         self.weight_shard = make_shard(0, out_features, self.parts, partition_index(ctx, self.parts), align)
         self.weight = nn.Parameter(torch.empty(self.weight_shard.local_size, in_features), requires_grad=False)
+        self.register_parameter("bias", None)
+        if bias:
+            self._make_bias()
+
+    def _make_bias(self) -> None:
+        self.bias = nn.Parameter(torch.empty(self.weight_shard.local_size, device=self.weight_device),
+                                 requires_grad=False)
+        self.bias_shard = self.weight_shard  # dim 0: the bias of an output row lives with that row
+
+    @property
+    def weight_device(self) -> torch.device:
+        weight = self.weight
+        return weight.device if isinstance(weight, torch.Tensor) else next(weight.buffers()).device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gathered(self.project(x))
+        return self.gathered(self.biased(self.project(x)))
+
+    def biased(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias
 
     def align_(self, align: int) -> None:
+        """Re-cut W's rows, and with them the bias's."""
         self.split_(0, self.out_features, self.parts, partition_index(self.ctx, self.parts), align)
+        if self.bias is not None:
+            self._make_bias()
 
     def gathered(self, y: torch.Tensor) -> torch.Tensor:
         """This rank's outputs y (..., local) as the layer's output: all of them if gather_output, else as they are."""
@@ -110,14 +134,20 @@ class ColumnParallelLinear(ParallelWeight):
 
 
 class FusedColumns(nn.Module):
-    """Column-parallel layers that read the same input, computed as one product: their weights become row slices
-    of one stacked weight (nothing is copied: fuse before loading), so x @ [Wq; Wk; Wv]^T is one matrix product
-    instead of three. The layers keep their own (view) tensors under their own names, so loading and saving see
-    them as before; the stacked tensors are not saved. Fuse last: moving the model afterwards would unshare them."""
+    """Column-parallel layers that read the same input, computed as one product: their weights (and biases) become
+    row slices of one stacked weight (nothing is copied: fuse before loading), so x @ [Wq; Wk; Wv]^T is one matrix
+    product instead of three. The layers keep their own (view) tensors under their own names, so loading and saving
+    see them as before; the stacked tensors are not saved. Fuse last: moving the model afterwards would unshare
+    them."""
 
     def __init__(self, layers: list[ColumnParallelLinear]):
         super().__init__()
         self.sizes = [layer.weight.shape[0] for layer in layers]
+        self.register_buffer("bias", None, persistent=False)
+        if layers[0].bias is not None:
+            self.bias = torch.cat([layer.bias.data for layer in layers])
+            for layer, view in zip(layers, self.bias.split(self.sizes)):
+                layer.bias = nn.Parameter(view, requires_grad=False)
         first = layers[0].weight
         if isinstance(first, QuantizedWeight):
             self.fmt = first.fmt
@@ -134,15 +164,18 @@ class FusedColumns(nn.Module):
 
     @staticmethod
     def fusable(layers) -> bool:
-        """Plain column-parallel layers (no bias, LoRA or gather) holding their weights alike."""
-        kinds = {(type(layer), getattr(layer.weight, "fmt", None), layer.weight.shape[1]) for layer in layers}
+        """Plain column-parallel layers (no LoRA or gather) holding their weights alike, all with a bias or none."""
+        kinds = {(type(layer), getattr(layer.weight, "fmt", None), layer.weight.shape[1], layer.bias is None)
+                 for layer in layers}
         return len(kinds) == 1 and type(layers[0]) is ColumnParallelLinear and not layers[0].gather_output
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.fmt is None:
             y = linear(x, self.weight)
         else:
-            y = quantized_linear(x, self.fmt, self.q, self.scale, getattr(self, "min", None))
+            y = quantized_linear(x, self.fmt, self.q, getattr(self, "scale", None), getattr(self, "min", None))
+        if self.bias is not None:
+            y = y + self.bias
         return list(y.split(self.sizes, dim=-1))
 
 

@@ -37,22 +37,16 @@ class ReplicatedLinear(nn.Module):
 class LoraColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, gather_output: bool = False,
                  parts: Optional[int] = None, *, lora_rank: int = 0, bias: bool = False):
-        super().__init__(in_features, out_features, ctx, gather_output, parts)
+        super().__init__(in_features, out_features, ctx, gather_output, parts, bias=bias)
         self.lora_a: Optional[nn.Module] = None
         self.lora_b: Optional[nn.Module] = None
         if lora_rank > 0:
             self.lora_a = ReplicatedLinear(in_features, lora_rank)
             # the same partitions as W (KV heads replicated alike when ranks outnumber them), never gathered itself
             self.lora_b = ColumnParallelLinear(lora_rank, out_features, ctx, parts=parts)
-        self.register_parameter("bias", None)
-        if bias:
-            self.bias = nn.Parameter(torch.empty(self.weight_shard.local_size), requires_grad=False)
-            self.bias_shard = self.weight_shard  # dim 0: the bias of an output row lives with that row
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.project(x)  # (..., local outputs)
-        if self.bias is not None:
-            y = y + self.bias
+        y = self.biased(self.project(x))  # (..., local outputs)
         if self.lora_a is not None:
             y = y + self.lora_b(self.lora_a(x))  # (..., rank) -> (..., local outputs)
         return self.gathered(y)
@@ -62,10 +56,6 @@ class LoraColumnParallelLinear(ColumnParallelLinear):
         super().align_(align)
         if self.lora_b is not None:
             self.lora_b.align_(align)
-        if self.bias is not None:
-            self.bias = nn.Parameter(torch.empty(self.weight_shard.local_size, device=self.bias.device),
-                                     requires_grad=False)
-            self.bias_shard = self.weight_shard
 
 
 class LoraRowParallelLinear(RowParallelLinear):

@@ -41,47 +41,43 @@ def rename_strict(weights: dict[str, torch.Tensor], names: dict[str, str], sourc
     given as canonical names), is a CheckpointError naming `source` and the names."""
     unexpected = sorted(set(weights) - set(names))
     if unexpected:
-        raise CheckpointError(f"{source}: unexpected weight name(s) {_clip(unexpected)}; a LLaMA checkpoint has "
-                              f"only names like {_clip(sorted(names), 4)}")
+        raise CheckpointError(f"{source}: unexpected weight name(s) {_clip(unexpected)}; a checkpoint of this "
+                              f"family has only names like {_clip(sorted(names), 4)}")
     missing = sorted(k for k, v in names.items() if k not in weights and v not in optional)
     if missing:
         raise CheckpointError(f"{source}: missing weight(s) {_clip(missing)}")
     return {names[k]: v for k, v in weights.items()}
 
 
-def expected_shapes(args) -> dict[str, tuple]:
-    """Canonical name -> full tensor shape for a `ModelArgs` (`output.weight` included even when tied)."""
-    q, kv, hidden = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.ffn_hidden_dim
-    per_layer = {
-        "attention.wq.weight": (q, args.dim), "attention.wk.weight": (kv, args.dim),
-        "attention.wv.weight": (kv, args.dim), "attention.wo.weight": (args.dim, q),
-        "feed_forward.w1.weight": (hidden, args.dim), "feed_forward.w2.weight": (args.dim, hidden),
-        "feed_forward.w3.weight": (hidden, args.dim),
-        "attention_norm.weight": (args.dim,), "ffn_norm.weight": (args.dim,),
-    }
-    shapes = {"tok_embeddings.weight": (args.vocab_size, args.dim), "norm.weight": (args.dim,),
-              "output.weight": (args.vocab_size, args.dim)}
-    for i in range(args.n_layers):
-        shapes.update({f"layers.{i}.{k}": v for k, v in per_layer.items()})
-    return shapes
+def expected_shapes(args, llama_type: str = "llama") -> dict[str, tuple]:
+    """Canonical name -> full tensor shape for a `ModelArgs` of `llama_type` (`output.weight` included even when
+    tied), as the model itself, built at one rank on the meta device, holds them."""
+    from accessory.checkpoint.save import meta_model
+    from accessory.model.LLM import model_classes
+
+    model = meta_model(model_classes(llama_type)[1], args, 0, 1)
+    shapes = {name: tuple(t.shape) for name, t in model.saved_tensors().items()}
+    return {**shapes, "output.weight": (args.vocab_size, args.dim)}
 
 
-def check_shapes(shapes: dict[str, tuple], args, source: str) -> None:
+def check_shapes(shapes: dict[str, tuple], args, source: str, llama_type: str = "llama") -> None:
     """CheckpointError listing every canonical tensor whose (float) shape disagrees with the config."""
-    expected = expected_shapes(args)
+    expected = expected_shapes(args, llama_type)
     wrong = [f"{k}: {tuple(v)}, expected {expected[k]}" for k, v in shapes.items() if tuple(v) != expected[k]]
     if wrong:
         raise CheckpointError(f"{source}: tensor shape(s) disagree with the config "
                               f"(dim={args.dim}, n_heads={args.n_heads}, n_kv_heads={args.n_kv_heads}, "
-                              f"hidden_dim={args.ffn_hidden_dim}, vocab_size={args.vocab_size}): {_clip(wrong)}")
+                              f"head_dim={args.head_dim}, hidden_dim={args.ffn_hidden_dim}, "
+                              f"vocab_size={args.vocab_size}): {_clip(wrong)}")
 
 
-def validated_args(config: dict, source: str):
-    """`ModelArgs` for a config dict (ConfigError on an unknown key or an impossible combination)."""
+def validated_args(config: dict, source: str, llama_type: str = "llama"):
+    """The llama_type's `ModelArgs` for a config dict (ConfigError on an unknown key or an impossible
+    combination)."""
     # Imported here: the checkpoint layer sits below the model layer, and only needs the config dataclass.
-    from accessory.model.LLM.llama import ModelArgs
+    from accessory.model.LLM import model_classes
     try:
-        return ModelArgs.from_dict(config, source=source)
+        return model_classes(llama_type)[0].from_dict(config, source=source)
     except ConfigError as e:  # ModelArgs' own checks do not know the file; name it
         if str(e).startswith(source):
             raise

@@ -1,19 +1,24 @@
-"""llama.cpp GGUF files (architecture "llama") -> canonical form, dequantized to float32 by the `gguf` package, or
-with `keep_quantized` keeping Q8_0, Q4_0 and Q4_1 tensors' bits as our int8 / int4 formats (quant/formats.py):
+"""llama.cpp GGUF files (architectures llama, qwen2, qwen3, gemma3) -> canonical form, dequantized to float32 by the `gguf` package, or
+with `keep_quantized` keeping Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K and Q6_K matrices' bits in our formats
+(quant/formats.py):
 
-| GGUF block (32 values)          | ours  | q                 | scale | min        |
-|---------------------------------|-------|-------------------|-------|------------|
-| Q8_0: d fp16, 32 x int8         | int8  | the int8 values   | d     |            |
-| Q4_1: d, m fp16, 16 bytes       | int4  | the 16 bytes      | d     | m          |
-| Q4_0: d fp16, 16 bytes          | int4  | the 16 bytes      | d     | -8 * d     |
+| GGUF block (values)              | ours  | q                      | scale | min        |
+|----------------------------------|-------|------------------------|-------|------------|
+| Q8_0 (32): d fp16, 32 x int8     | int8  | the int8 values        | d     |            |
+| Q4_1 (32): d, m fp16, 16 bytes   | int4  | the 16 bytes           | d     | m          |
+| Q4_0 (32): d fp16, 16 bytes      | int4  | the 16 bytes           | d     | -8 * d     |
+| Q5_0 (32), Q4_K, Q5_K, Q6_K (256) | q5_0, q4_k, q5_k, q6_k | the whole blocks |   |          |
 
 The nibble order within a block is ours too, so nothing is repacked, and every value dequantizes to exactly what
-the `gguf` package gives (d * q + m, d * q - 8 * d and d * q are all exact or rounded once alike). Other types are
-dequantized.
+the `gguf` package gives (d * q + m, d * q - 8 * d and d * q are all exact or rounded once alike). The other four
+are import-only formats that hold the file's blocks byte for byte (4.5 to 6.6 bits a weight). Other types (and
+1-D tensors) are dequantized.
 
-llama.cpp's converter permutes HF's q/k back to Meta's interleaved RoPE layout before writing, so attn_q / attn_k
-are taken as they are (tests/test_importers.py pins this against transformers' GGUF loader, which applies the HF
-permutation on top of the stored tensors).
+For architecture "llama" (Mistral's files say so too), llama.cpp's converter permutes HF's q/k back to Meta's
+interleaved RoPE layout before writing, so attn_q / attn_k are taken as they are (tests/test_importers.py pins this
+against transformers' GGUF loader, which applies the HF permutation on top of the stored tensors). qwen2, qwen3 and
+gemma3 run on llama.cpp's NEOX RoPE: their q/k stay in HF's rotate-half layout and are permuted here, as from HF;
+gemma3's norm weights were stored as 1 + w (families.py says what each architecture needs).
 """
 from __future__ import annotations
 
@@ -30,7 +35,10 @@ from tqdm import tqdm
 
 from accessory.checkpoint.importers.common import (ImportedModel, check_shapes, expand_templates, rename_strict,
                                             validated_args)
+from accessory.checkpoint.importers.families import gguf_family, with_family_names
+from accessory.checkpoint.importers.hf import hf_to_meta_qk, rotate_half_to_interleaved
 from accessory.errors import CheckpointError, ConfigError
+from accessory.quant.formats import GGUF_BLOCKS
 
 # GGUF name -> canonical name; `{i}` is the layer index.
 GGUF_TO_META = {
@@ -55,28 +63,30 @@ _REQUIRED = object()
 
 
 def read_gguf(path, workdir, keep_quantized: bool = False) -> ImportedModel:
-    """Read a llama.cpp GGUF file of architecture "llama": weights dequantized to float32 under canonical names
-    (no `output.weight` when the file has none, i.e. tied embeddings), the config from its `llama.*` metadata, and
-    the tokenizer rebuilt by transformers from the file's metadata and saved into `workdir` (tokenizer.json,
-    tokenizer_config.json, chat_template.jinja when the file has one, and a generation_config.json holding the
-    bos / eos / pad token ids). `keep_quantized`: Q8_0 / Q4_0 / Q4_1 matrices stay quantized (their parts under
-    `NAME.q`, `NAME.scale`, `NAME.min`; the formats in `ImportedModel.quantization`)."""
+    """Read a llama.cpp GGUF file of a known architecture (llama, qwen2, qwen3, gemma3: families.py): weights
+    dequantized to float32 under canonical names (no `output.weight` when the file has none, i.e. tied embeddings),
+    the config from its `ARCH.*` metadata, and the tokenizer rebuilt by transformers from the file's metadata and
+    saved into `workdir` (tokenizer.json, tokenizer_config.json, chat_template.jinja when the file has one, and a
+    generation_config.json holding the bos / eos / pad token ids). `keep_quantized`: matrices of the types in
+    KEPT_TYPES stay quantized (their parts under `NAME.q`, ...; the formats in `ImportedModel.quantization`)."""
     path, workdir = Path(path), Path(workdir)
     reader = _open(path)
-    config = config_from_gguf(reader, str(path))
+    family = gguf_family(_field(reader, "general.architecture", str(path), None), str(path))
+    config = config_from_gguf(reader, str(path), family)
     weights = _read_all(reader, path, keep_quantized)
     rope_freqs = weights.pop(ROPE_FREQS, None)
     if rope_freqs is not None:
         if config["rope_scaling"] is not None:
-            raise ConfigError(f"{path}: has both {ROPE_FREQS} and llama.rope.scaling metadata; expected one")
+            raise ConfigError(f"{path}: has both {ROPE_FREQS} and rope.scaling metadata; expected one")
         config["rope_scaling"] = llama3_scaling_from_freqs(rope_freqs.numpy(), config, str(path))
     config["tie_word_embeddings"] = "output.weight" not in weights
-    args = validated_args(config, source=str(path))
-    names = expand_templates(GGUF_TO_META, args.n_layers)
+    args = validated_args(config, source=str(path), llama_type=family.llama_type)
+    names = expand_templates(with_family_names(GGUF_TO_META, family.gguf_names), args.n_layers)
     renamed = rename_strict(weights, names, str(path), optional=frozenset({"output.weight"}))
     quantization = {name: value.fmt for name, value in renamed.items() if isinstance(value, Kept)}
     check_shapes({name: value.shape if isinstance(value, Kept) else tuple(value.shape)
-                  for name, value in renamed.items()}, args, str(path))
+                  for name, value in renamed.items()}, args, str(path), family.llama_type)
+    _undo_converter(renamed, args, family)
     state_dict = {}
     for name, value in renamed.items():
         if isinstance(value, Kept):
@@ -85,52 +95,81 @@ def read_gguf(path, workdir, keep_quantized: bool = False) -> ImportedModel:
             state_dict[name] = value
     tokenizer_files = _save_tokenizer(reader, path, workdir)
     return ImportedModel(state_dict=state_dict, config=config, tokenizer_files=tokenizer_files,
-                         quantization=quantization)
+                         llama_type=family.llama_type, quantization=quantization)
 
 
-def config_from_gguf(reader: gguf.GGUFReader, source: str) -> dict:
-    """Our config dict from the `llama.*` metadata (tie_word_embeddings is decided by the tensors, set later)."""
+def _undo_converter(weights: dict, args, family) -> None:
+    """Undo what llama.cpp's converter did to this architecture's tensors: q/k kept in HF's rotate-half layout
+    (permuted to Meta's, as from HF; a kept matrix's rows are permuted in every part), and norm weights shifted
+    (Gemma's stored as 1 + w)."""
+    if family.gguf_rotate_half:
+        rotate_half_to_interleaved(weights, args, _permuted_qk)
+    if family.gguf_norm_shift:
+        for name in [n for n in weights if n.endswith("norm.weight")]:
+            weights[name] = weights[name] - family.gguf_norm_shift
+
+
+def _permuted_qk(value, heads: int):
+    if not isinstance(value, Kept):
+        return hf_to_meta_qk(value, heads)
+    order = hf_to_meta_qk(torch.arange(value.shape[0]), heads)  # new row i is old row order[i]
+    return Kept(value.fmt, {name: part[order] for name, part in value.parts.items()}, value.shape)
+
+
+def config_from_gguf(reader: gguf.GGUFReader, source: str, family) -> dict:
+    """Our config dict from the `ARCH.*` metadata (tie_word_embeddings is decided by the tensors, set later), with
+    the family's own keys."""
     meta = lambda key, default=_REQUIRED: _field(reader, key, source, default)  # noqa: E731
-    if meta("llama.expert_count", 0):
-        raise ConfigError(f"{source}: llama.expert_count is {meta('llama.expert_count')}; mixture-of-experts "
+    arch = family.gguf_arch
+    if meta(f"{arch}.expert_count", 0):
+        raise ConfigError(f"{source}: {arch}.expert_count is {meta(f'{arch}.expert_count')}; mixture-of-experts "
                           f"models are not supported")
-    dim, n_heads = meta("llama.embedding_length"), meta("llama.attention.head_count")
-    n_kv_heads = _one_value(meta("llama.attention.head_count_kv", n_heads), "llama.attention.head_count_kv",
+    dim, n_heads = meta(f"{arch}.embedding_length"), meta(f"{arch}.attention.head_count")
+    n_kv_heads = _one_value(meta(f"{arch}.attention.head_count_kv", n_heads), f"{arch}.attention.head_count_kv",
                             source)
-    rope_dims = meta("llama.rope.dimension_count", None)
-    if rope_dims is not None and n_heads and rope_dims != dim // n_heads:
-        raise ConfigError(f"{source}: llama.rope.dimension_count {rope_dims} differs from the head dim "
-                          f"{dim // n_heads} (embedding_length / head_count); partial rotary is not supported")
+    head_dim = meta(f"{arch}.attention.key_length", dim // n_heads)
+    if meta(f"{arch}.attention.value_length", head_dim) != head_dim:
+        raise ConfigError(f"{source}: {arch}.attention.value_length differs from key_length {head_dim}; not "
+                          f"supported")
+    rope_dims = meta(f"{arch}.rope.dimension_count", None)
+    if rope_dims is not None and rope_dims != head_dim:
+        raise ConfigError(f"{source}: {arch}.rope.dimension_count {rope_dims} differs from the head dim "
+                          f"{head_dim}; partial rotary is not supported")
     tokens = reader.get_field("tokenizer.ggml.tokens")
-    vocab_size = meta("llama.vocab_size", len(tokens.data) if tokens is not None else _REQUIRED)
-    return {
+    vocab_size = meta(f"{arch}.vocab_size", len(tokens.data) if tokens is not None else _REQUIRED)
+    config = {
         "dim": dim,
-        "n_layers": meta("llama.block_count"),
+        "n_layers": meta(f"{arch}.block_count"),
         "n_heads": n_heads,
         "n_kv_heads": n_kv_heads,
         "vocab_size": vocab_size,
-        "hidden_dim": meta("llama.feed_forward_length"),
+        "hidden_dim": meta(f"{arch}.feed_forward_length"),
         # GGUF stores these as float32; recover the decimal they were written from (9.99999975e-06 -> 1e-05).
-        "norm_eps": _from_f32(meta("llama.attention.layer_norm_rms_epsilon")),
-        "rope_theta": _from_f32(meta("llama.rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(meta, source),
+        "norm_eps": _from_f32(meta(f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": _from_f32(meta(f"{arch}.rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(meta, arch, source),
         "tie_word_embeddings": False,
-        "max_seq_len": meta("llama.context_length"),
+        "max_seq_len": meta(f"{arch}.context_length"),
+        **({"head_dim": head_dim} if head_dim != dim // n_heads else {}),
     }
+    return {**config, **family.gguf_config(meta, {**config, "head_dim": head_dim}, source)}
 
 
-def _rope_scaling(meta, source: str) -> Optional[dict]:
-    kind = meta("llama.rope.scaling.type", None)
-    factor = meta("llama.rope.scaling.factor", None)
-    if kind is None and meta("llama.rope.scale_linear", 1.0) != 1.0:  # older llama.cpp files
-        kind, factor = "linear", meta("llama.rope.scale_linear")
+def _rope_scaling(meta, arch: str, source: str) -> Optional[dict]:
+    kind = meta(f"{arch}.rope.scaling.type", None)
+    factor = meta(f"{arch}.rope.scaling.factor", None)
+    if kind is None and meta(f"{arch}.rope.scale_linear", 1.0) != 1.0:  # older llama.cpp files
+        kind, factor = "linear", meta(f"{arch}.rope.scale_linear")
     if kind in (None, "none"):
         return None
-    if kind != "linear":
-        raise ConfigError(f"{source}: llama.rope.scaling.type {kind!r} is not supported; expected 'linear' or "
-                          f"'none' (llama3 scaling comes as a {ROPE_FREQS} tensor)")
+    if kind not in ("linear", "yarn"):
+        raise ConfigError(f"{source}: {arch}.rope.scaling.type {kind!r} is not supported; expected 'linear', 'yarn' "
+                          f"or 'none' (llama3 scaling comes as a {ROPE_FREQS} tensor)")
     if factor is None:
-        raise ConfigError(f"{source}: llama.rope.scaling.type is 'linear' but llama.rope.scaling.factor is missing")
+        raise ConfigError(f"{source}: {arch}.rope.scaling.type is {kind!r} but {arch}.rope.scaling.factor is missing")
+    if kind == "yarn":
+        return {"rope_type": "yarn", "factor": _from_f32(factor),
+                "original_max_position_embeddings": meta(f"{arch}.rope.scaling.original_context_length")}
     return {"rope_type": "linear", "factor": _from_f32(factor)}
 
 
@@ -166,10 +205,6 @@ def _open(path: Path) -> gguf.GGUFReader:
         reader = gguf.GGUFReader(path)
     except (ValueError, OSError) as e:
         raise CheckpointError(f"{path}: cannot read as GGUF: {e}") from e
-    architecture = _field(reader, "general.architecture", str(path), None)
-    if architecture != "llama":
-        raise CheckpointError(f"{path}: general.architecture is {architecture!r}; only 'llama' GGUF files can be "
-                              f"imported")
     return reader
 
 
@@ -181,13 +216,17 @@ class Kept:
     shape: tuple
 
 
-# GGUF block type -> (our format, bytes per block of 32 values)
-KEPT_TYPES = {"Q8_0": ("int8", 34), "Q4_0": ("int4", 18), "Q4_1": ("int4", 20)}
+# GGUF block type -> (our format, bytes per block); Q8_0 / Q4_0 / Q4_1 blocks hold 32 values, as do our groups.
+KEPT_TYPES = {"Q8_0": ("int8", 34), "Q4_0": ("int4", 18), "Q4_1": ("int4", 20),
+              **{fmt.upper(): (fmt, nbytes) for fmt, (_, nbytes) in GGUF_BLOCKS.items()}}
 
 
 def kept_parts(data: np.ndarray, type_name: str) -> dict[str, torch.Tensor]:
-    """Our format's parts from a GGUF matrix's raw blocks `data` (rows, bytes per row), without dequantizing."""
+    """Our format's parts from a GGUF matrix's raw blocks `data` (rows, bytes per row), without dequantizing. Every
+    part holds the matrix's rows as its rows (formats.permute_rows reorders them)."""
     fmt, block = KEPT_TYPES[type_name]
+    if fmt in GGUF_BLOCKS:  # the blocks as they are
+        return {"q": torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))}
     blocks = np.ascontiguousarray(data).reshape(data.shape[0], -1, block)  # (rows, groups, block bytes)
     scale = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])  # (rows, groups)
     if type_name == "Q8_0":

@@ -1,9 +1,11 @@
-"""Hugging Face `LlamaForCausalLM` folders <-> canonical form: `read_hf` imports, `write_hf` exports.
+"""Hugging Face folders <-> canonical form: `read_hf` imports a `LlamaForCausalLM`, or another family's folder
+(`Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `MistralForCausalLM`, `Gemma3ForCausalLM`, `Gemma3ForConditionalGeneration`'s
+language model: families.py), `write_hf` exports LLaMA.
 
-Both directions use one name table (`HF_TO_META`, read forwards or backwards), one config mapping pair
-(`config_from_hf` / `config_to_hf`) and the q/k permutation pair: HF's q_proj / k_proj rows are in the rotate-half
-RoPE layout, Meta's (ours) interleave each head's rotary pairs. HF's convert script applies `meta_to_hf_qk`; we
-apply its inverse on import and it on export.
+Both directions use one name table (`HF_TO_META`, read forwards or backwards, with a family's additions), one config
+mapping pair (`config_from_hf` / `config_to_hf`) and the q/k permutation pair: HF's q_proj / k_proj rows are in the
+rotate-half RoPE layout, Meta's (ours) interleave each head's rotary pairs. HF's convert script applies
+`meta_to_hf_qk`; we apply its inverse on import (to q/k rows, biases and norm weights alike) and it on export.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from tqdm import tqdm
 
 from accessory.checkpoint.importers.common import (ImportedModel, check_shapes, expand_templates, rename_strict,
                                             validated_args)
+from accessory.checkpoint.importers.families import Family, hf_family, qk_tensors, with_family_names
 from accessory.errors import CheckpointError, ConfigError
 from accessory.jsonfile import read_json_object
 
@@ -46,75 +49,110 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 
 
 def meta_to_hf_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Meta's interleaved q/k rows -> HF's rotate-half rows (pass n_kv_heads for k), as HF's convert script does."""
-    rows, cols = w.shape
+    """Meta's interleaved q/k rows -> HF's rotate-half rows (pass n_kv_heads for k), as HF's convert script does.
+    A 1-D tensor (a bias, a q/k norm weight) is permuted as a column."""
+    rows, cols = w.shape[0], w[0].numel()
     # (n_heads, head_dim/2, 2, cols): pair p of head h holds rows 2p, 2p+1 -> (n_heads, 2, head_dim/2, cols)
-    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(w.shape)
 
 
 def hf_to_meta_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """HF's rotate-half q/k rows -> Meta's interleaved rows (pass n_kv_heads for k); inverse of `meta_to_hf_qk`."""
-    rows, cols = w.shape
+    rows, cols = w.shape[0], w[0].numel()
     # (n_heads, 2, head_dim/2, cols): halves of head h -> (n_heads, head_dim/2, 2, cols), pairs adjacent
-    return w.reshape(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+    return w.reshape(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(w.shape)
 
 
 def read_hf(folder) -> ImportedModel:
-    """Read an HF `LlamaForCausalLM` folder (config.json plus model.safetensors, sharded safetensors with
-    model.safetensors.index.json, or pytorch_model.bin, sharded or not) into canonical names, q/k permuted back to
-    Meta's layout, tensors in their stored dtype. Raises CheckpointError / ConfigError naming the file and key."""
+    """Read an HF folder (config.json plus model.safetensors, sharded safetensors with model.safetensors.index.json,
+    or pytorch_model.bin, sharded or not) of a known family into canonical names, q/k permuted back to Meta's layout,
+    tensors in their stored dtype. Raises CheckpointError / ConfigError naming the file and key."""
     folder = Path(folder)
     config_path = folder / "config.json"
     hf = _read_json(config_path)
     if hf.get("model_type") == "llava":
         from accessory.checkpoint.importers.llava import read_llava
         return read_llava(folder, hf)
+    family = hf_family(hf, str(config_path))
     config = config_from_hf(hf, str(config_path))
-    validated_args(config, source=str(config_path))  # before reading any weight
+    validated_args(config, source=str(config_path), llama_type=family.llama_type)  # before reading any weight
     weights, source = load_weights(folder)
-    state_dict = language_model(weights, config, source, str(config_path))
+    if "text_config" in hf:  # Gemma3ForConditionalGeneration: its language model
+        weights = _language_model_weights(weights, source)
+    state_dict = language_model(weights, config, source, str(config_path), family)
     tokenizer_files = [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
-    return ImportedModel(state_dict=state_dict, config=config, tokenizer_files=tokenizer_files)
+    return ImportedModel(state_dict=state_dict, config=config, tokenizer_files=tokenizer_files,
+                         llama_type=family.llama_type)
 
 
-def language_model(weights: dict[str, torch.Tensor], config: dict, source: str,
-                   config_source: str) -> dict[str, torch.Tensor]:
-    """A LlamaForCausalLM's weights (HF names) in canonical names, checked against `config`, q/k permuted back
-    to Meta's layout."""
-    args = validated_args(config, source=config_source)
-    names = expand_templates(HF_TO_META, args.n_layers)
+# The language model's weights in a vision-language folder, by the prefix transformers 4 or 5 saved them under.
+_LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                            "language_model.lm_head.": "lm_head.", "lm_head.": "lm_head."}
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _language_model_weights(weights: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """The language model's weights of a vision-language folder under its CausalLM names; the vision tower and
+    projector are left out (this family's text model is what is imported)."""
+    out = {}
+    for name, tensor in weights.items():
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        prefix = next((p for p in _LANGUAGE_MODEL_PREFIXES if name.startswith(p)), None)
+        if prefix is None:
+            raise CheckpointError(f"{source}: weight {name} belongs to neither the language model nor the vision "
+                                  f"tower")
+        out[_LANGUAGE_MODEL_PREFIXES[prefix] + name[len(prefix):]] = tensor
+    return out
+
+
+def language_model(weights: dict[str, torch.Tensor], config: dict, source: str, config_source: str,
+                   family: Optional[Family] = None) -> dict[str, torch.Tensor]:
+    """A CausalLM's weights (HF names) in canonical names, checked against `config`, q/k permuted back to Meta's
+    layout. `family`: LLaMA's names unless given."""
+    llama_type = family.llama_type if family else "llama"
+    args = validated_args(config, source=config_source, llama_type=llama_type)
+    names = expand_templates(with_family_names(HF_TO_META, family.hf_names if family else {}), args.n_layers)
     state_dict = rename_strict(weights, names, source, optional=frozenset({"output.weight"}))
     if args.tie_word_embeddings:
         _drop_tied_output(state_dict, source)
     elif "output.weight" not in state_dict:
         raise CheckpointError(f"{source}: missing weight lm_head.weight, and {config_source} says "
                               f"tie_word_embeddings is false")
-    check_shapes({name: tuple(t.shape) for name, t in state_dict.items()}, args, source)
-    for i in range(args.n_layers):
-        wq, wk = f"layers.{i}.attention.wq.weight", f"layers.{i}.attention.wk.weight"
-        state_dict[wq] = hf_to_meta_qk(state_dict[wq], args.n_heads)
-        state_dict[wk] = hf_to_meta_qk(state_dict[wk], args.n_kv_heads)
+    check_shapes({name: tuple(t.shape) for name, t in state_dict.items()}, args, source, llama_type)
+    rotate_half_to_interleaved(state_dict, args, hf_to_meta_qk)
     return state_dict
 
 
+def rotate_half_to_interleaved(state_dict: dict, args, permute) -> None:
+    """Apply `permute(tensor, heads)` (hf_to_meta_qk, or a row permutation of quantized parts) to every q/k tensor
+    in the state dict: weights and biases by head, norm weights as one head."""
+    heads = {"q": args.n_heads, "k": args.n_kv_heads, "norm": 1}
+    for name, kind in qk_tensors(args.n_layers):
+        if name in state_dict:
+            state_dict[name] = permute(state_dict[name], heads[kind])
+
+
 def config_from_hf(hf: dict, source: str) -> dict:
-    """An HF LlamaConfig dict -> our config dict (ModelArgs keys only). Missing optional keys take HF's defaults."""
-    _check_llama(hf, source)
+    """An HF config dict of a known family -> our config dict (its ModelArgs keys only). Missing optional keys take
+    HF's defaults. A vision-language folder's `text_config` is its language model's."""
+    family = hf_family(hf, source)
+    if "text_config" in hf:
+        hf = {**hf["text_config"], "architectures": hf["architectures"]}
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                            "vocab_size") if k not in hf]
     if missing:
-        raise ConfigError(f"{source}: missing key(s) {missing} that a LlamaForCausalLM config needs")
-    dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim") is not None and n_heads and hf["head_dim"] != dim // n_heads:
-        raise ConfigError(f"{source}: head_dim {hf['head_dim']} differs from hidden_size / num_attention_heads "
-                          f"({dim} / {n_heads}); a separate head_dim is not supported")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            raise ConfigError(f"{source}: {key} is true; LLaMA layers with biases are not supported")
-    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{source}: missing key(s) {missing} that a {family.hf_architectures[0]} config needs")
+    if hf.get("mlp_bias"):
+        raise ConfigError(f"{source}: mlp_bias is true; MLP layers with biases are not supported")
+    if family.llama_type in ("llama", "mistral"):
+        if hf.get("attention_bias"):
+            raise ConfigError(f"{source}: attention_bias is true; LLaMA layers with biases are not supported")
+    if family.llama_type != "gemma3" and hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported; expected 'silu'")
+    dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     rope_theta, rope_scaling = _rope_from_hf(hf, source)
-    return {
+    config = {
         "dim": dim,
         "n_layers": hf["num_hidden_layers"],
         "n_heads": n_heads,
@@ -124,30 +162,27 @@ def config_from_hf(hf: dict, source: str) -> dict:
         "norm_eps": hf.get("rms_norm_eps", 1e-6),
         "rope_theta": rope_theta,
         "rope_scaling": rope_scaling,
-        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", family.llama_type == "gemma3")),
         "max_seq_len": hf.get("max_position_embeddings", 2048),
     }
+    if hf.get("head_dim") is not None and hf["head_dim"] != dim // n_heads:
+        config["head_dim"] = hf["head_dim"]
+    return {**config, **family.hf_config(hf, source)}
 
 
-def _check_llama(hf: dict, source: str) -> None:
-    architectures = hf.get("architectures")
-    if architectures is not None and architectures != ["LlamaForCausalLM"]:
-        raise CheckpointError(f"{source}: architectures is {architectures}; only ['LlamaForCausalLM'] and "
-                              f"['LlavaForConditionalGeneration'] can be imported")
-    if hf.get("model_type") != "llama":
-        raise CheckpointError(f"{source}: model_type is {hf.get('model_type')!r}; only 'llama' (and 'llava') can be "
-                              f"imported")
-
-
-# Keys of each rope type we support, as HF names them (and as our dict form keeps them).
+# Keys of each rope type we support, as HF names them (and as our dict form keeps them), and those it may have.
 _ROPE_KEYS = {"linear": ("factor",),
-              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+              "yarn": ("factor", "original_max_position_embeddings")}
+_ROPE_OPTIONAL = {"yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")}
 
 
 def _rope_from_hf(hf: dict, source: str) -> tuple[float, Optional[dict]]:
     """(rope_theta, our rope_scaling) from transformers<5 `rope_theta` + `rope_scaling` or transformers 5
-    `rope_parameters` (which holds rope_theta and the scaling together)."""
+    `rope_parameters` (which holds rope_theta and the scaling together; per layer type for Gemma 3, whose global
+    layers' are the model's)."""
     params = hf.get("rope_parameters") or {}
+    params = params.get("full_attention", params)
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     scaling = params if params.get("rope_type", "default") != "default" else hf.get("rope_scaling")
     if not scaling:
@@ -161,7 +196,8 @@ def _rope_from_hf(hf: dict, source: str) -> tuple[float, Optional[dict]]:
     missing = [k for k in _ROPE_KEYS[rope_type] if k not in scaling]
     if missing:
         raise ConfigError(f"{source}: {rope_type} rope scaling lacks key(s) {missing}")
-    return float(theta), {"rope_type": rope_type, **{k: scaling[k] for k in _ROPE_KEYS[rope_type]}}
+    kept = _ROPE_KEYS[rope_type] + tuple(k for k in _ROPE_OPTIONAL.get(rope_type, ()) if scaling.get(k) is not None)
+    return float(theta), {"rope_type": rope_type, **{k: scaling[k] for k in kept}}
 
 
 def _drop_tied_output(state_dict: dict, source: str) -> None:
@@ -275,7 +311,7 @@ def _rope_to_hf(args) -> Optional[dict]:
     if isinstance(scaling, (int, float)):
         return {"rope_type": "linear", "factor": float(scaling)}
     kind = scaling.get("rope_type", scaling.get("type"))
-    if kind not in _ROPE_KEYS:
+    if kind not in ("linear", "llama3"):
         raise ConfigError(f"rope_scaling {scaling}: type {kind!r} has no HF form here; expected {sorted(_ROPE_KEYS)}")
     defaults = _LLAMA3_DEFAULTS if kind == "llama3" else {}
     return {"rope_type": kind, **{k: scaling.get(k, defaults.get(k)) for k in _ROPE_KEYS[kind]}}
@@ -304,8 +340,8 @@ def write_hf(model: ImportedModel, dst, dtype: Optional[torch.dtype] = None, max
     from accessory.checkpoint.save import atomic_folder
 
     if model.llama_type != "llama":
-        raise CheckpointError(f"{source}: llama_type {model.llama_type!r} has no HF LlamaForCausalLM form; only "
-                              f"'llama' does")
+        raise CheckpointError(f"{source}: llama_type {model.llama_type!r} has no HF export here; only 'llama' "
+                              f"(LlamaForCausalLM) does")
     args = validated_args(model.config, source=f"config of {source}")
     dtype = dtype or next(iter(model.state_dict.values())).dtype
     weights = hf_state_dict(model.state_dict, args, source)

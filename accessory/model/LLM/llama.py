@@ -1,4 +1,6 @@
-"""LLaMA 1/2/3 (llama_type "llama"): the config, then the model wired from shared blocks in reading order.
+"""LLaMA 1/2/3 (llama_type "llama"): the config, then the decoder wired from shared blocks in reading order. Every
+other family (qwen2, qwen3, mistral, gemma3) is this decoder with other traits: its file subclasses ModelArgs and
+states how it differs (docs/adding-a-model.md).
 
 Parameter names are Meta's (LLaMA2-Accessory adds the `llma.` prefix in its shard files), because checkpoints are
 keyed on them.
@@ -7,15 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import ClassVar, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from accessory.errors import ConfigError
 from accessory.model.components import (PLAIN, Attention, FeedForward, KVCache, Linears, RMSNorm, Segment,
-                                        prefill_mask, rope_frequencies, rope_table)
+                                        decode_mask, prefill_mask, rope_frequencies, rope_table, window_prefill)
 from accessory.model.vision import ImagePlacement
 from accessory.parallel import ColumnParallelLinear, ParallelContext, ParallelEmbedding
 from accessory.quant.weight import QuantizedWeight
@@ -42,14 +45,22 @@ FIELD_RANGES = {
     "dim": (int, 1, 1 << 17), "n_layers": (int, 1, 1024), "n_heads": (int, 1, 1 << 12),
     "n_kv_heads": (int, 1, 1 << 12), "vocab_size": (int, -1, 1 << 24), "multiple_of": (int, 1, 1 << 17),
     "ffn_dim_multiplier": (float, 1e-3, 64.0), "hidden_dim": (int, 1, 1 << 20), "norm_eps": (float, 1e-30, 0.1),
-    "rope_theta": (float, 1.0, 1e12), "max_seq_len": (int, 1, 1 << 24),
+    "rope_theta": (float, 1.0, 1e12), "max_seq_len": (int, 1, 1 << 24), "head_dim": (int, 2, 1 << 12),
+    "sliding_window": (int, 1, 1 << 24), "rope_local_theta": (float, 1.0, 1e12),
+    "query_pre_attn_scalar": (float, 1e-6, 1e9), "final_logit_softcapping": (float, 1e-6, 1e9),
 }
+LAYER_TYPES = ("full", "sliding")
 
 
 def field_problem(name: str, value, type_name: Optional[str]) -> Optional[str]:
     """Why `value` cannot be config field `name` (whose dataclass annotation is `type_name`), or None."""
-    if value is None and name in ("n_kv_heads", "ffn_dim_multiplier", "hidden_dim", "rope_scaling"):
+    if value is None and name in ("n_kv_heads", "ffn_dim_multiplier", "hidden_dim", "rope_scaling", "head_dim",
+                                  "sliding_window", "layer_types", "rope_local_theta", "query_pre_attn_scalar",
+                                  "final_logit_softcapping"):
         return None
+    if name == "layer_types":
+        ok = isinstance(value, list) and all(kind in LAYER_TYPES for kind in value)
+        return None if ok else f"must be a list of {list(LAYER_TYPES)}, one per layer, got {value!r}"
     if type_name == "bool":
         return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
     if name not in FIELD_RANGES:
@@ -72,7 +83,16 @@ class ModelArgs:
     Head counts have one meaning each: `n_heads` and `n_kv_heads` are global; `n_local_heads` and
     `n_local_kv_heads` (per model-parallel rank) live on the attention module; `n_rep = n_heads // n_kv_heads` is how
     many query heads share one KV head.
+
+    A family's traits are class attributes, not config keys (a config cannot make LLaMA into Qwen3): a family's
+    ModelArgs overrides them, and adds the config keys only it has.
     """
+    qkv_bias: ClassVar[bool] = False  # wq, wk, wv have biases (Qwen2)
+    qk_norm: ClassVar[bool] = False  # an RMSNorm over each head's q and k, before RoPE (Qwen3, Gemma 3)
+    hidden_act: ClassVar[str] = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    norm_offset: ClassVar[float] = 0.0  # RMSNorm scales by (norm_offset + weight) (Gemma: 1)
+    sandwich_norms: ClassVar[bool] = False  # norms after attention and after the MLP too (Gemma)
+
     dim: int = 4096
     n_layers: int = 32
     n_heads: int = 32
@@ -91,17 +111,27 @@ class ModelArgs:
     tie_word_embeddings: bool = False  # output projection shares tok_embeddings' weight (no `output` tensor saved)
     max_seq_len: int = 2048  # positions the rotary table covers; from_pretrained sets it
     load_pretrained_visual_encoder: bool = False  # LLaMA2-Accessory training flag; no effect on inference
+    head_dim: Optional[int] = None  # None: dim / n_heads (Mistral-Nemo, Qwen3 and Gemma 3 set their own)
+    # Sliding-window attention: on the layers `layer_types` says "sliding" (all of them if it is None), each token
+    # attends to the last `sliding_window` positions (itself included). None: every layer attends to everything.
+    sliding_window: Optional[int] = None
+    layer_types: Optional[list] = None  # "full" or "sliding", per layer
 
     def __post_init__(self):
         self.check_values(self.to_dict())
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        if self.dim % self.n_heads:
-            raise ConfigError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise ConfigError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}), or head_dim "
+                                  f"given")
+            self.head_dim = self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
         if self.head_dim % 2:
-            raise ConfigError(f"head dim ({self.head_dim} = dim / n_heads) must be even for rotary embeddings")
+            raise ConfigError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if self.layer_types is not None and len(self.layer_types) != self.n_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for n_layers {self.n_layers}")
 
     @classmethod
     def check_keys(cls, values: dict, source: str) -> None:
@@ -135,13 +165,33 @@ class ModelArgs:
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def layer_window(self, layer: int) -> Optional[int]:
+        """The sliding window of layer `layer`, or None (it attends to every position)."""
+        if self.sliding_window is None or (self.layer_types is not None and self.layer_types[layer] == "full"):
+            return None
+        return self.sliding_window
+
+    def rope(self, window: Optional[int]) -> tuple[float, Union[None, float, dict]]:
+        """(theta, scaling) of the rotary embedding of a layer with that window (Gemma 3 gives sliding layers
+        their own base)."""
+        if self.use_scaled_rope and self.rope_scaling is None:
+            return self.rope_theta, {"rope_type": "llama3", "factor": 8.0}  # Meta's LLaMA-3.1 defaults
+        return self.rope_theta, self.rope_scaling
 
     @property
-    def n_rep(self) -> int:
-        return self.n_heads // self.n_kv_heads
+    def attention_scale(self) -> float:
+        """What q.k is multiplied by before the softmax."""
+        return self.head_dim ** -0.5
+
+    @property
+    def embedding_scale(self) -> Optional[float]:
+        """The embeddings are multiplied by this (in the model's dtype), or None."""
+        return None
+
+    @property
+    def logit_softcap(self) -> Optional[float]:
+        """Final logits become cap * tanh(logits / cap), or None."""
+        return None
 
     @property
     def ffn_hidden_dim(self) -> int:
@@ -172,25 +222,36 @@ class ModelArgs:
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, ctx: ParallelContext, linears: Linears = PLAIN):
+    """x + attention(norm(x)), then h + mlp(norm(h)); with sandwich norms (Gemma), each branch's output is normed
+    too (`post_attention_norm`, `post_ffn_norm`) before it is added."""
+
+    def __init__(self, args: ModelArgs, ctx: ParallelContext, linears: Linears = PLAIN, window: Optional[int] = None):
         super().__init__()
-        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, ctx, linears)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, ctx, linears)
-        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        norm = lambda: RMSNorm(args.dim, eps=args.norm_eps, offset=args.norm_offset)  # noqa: E731
+        self.attention = Attention(args, ctx, linears, window)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, ctx, linears, args.hidden_act)
+        self.attention_norm, self.ffn_norm = norm(), norm()
+        self.post_attention_norm = self.post_ffn_norm = None
+        if args.sandwich_norms:
+            self.post_attention_norm, self.post_ffn_norm = norm(), norm()
 
     def forward(self, x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
-        return self._ffn(x + self.attention(self.attention_norm(x), rotations))
+        return self._ffn(x + self._normed(self.attention(self.attention_norm(x), rotations), self.post_attention_norm))
 
     def prefill(self, x, rotations, rows, positions, segments, masks) -> torch.Tensor:
-        return self._ffn(x + self.attention.prefill(self.attention_norm(x), rotations, rows, positions, segments,
-                                                    masks))
+        attended = self.attention.prefill(self.attention_norm(x), rotations, rows, positions, segments, masks)
+        return self._ffn(x + self._normed(attended, self.post_attention_norm))
 
     def decode(self, x, rotations, positions, mask) -> torch.Tensor:
-        return self._ffn(x + self.attention.decode(self.attention_norm(x), rotations, positions, mask))
+        attended = self.attention.decode(self.attention_norm(x), rotations, positions, mask)
+        return self._ffn(x + self._normed(attended, self.post_attention_norm))
 
     def _ffn(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + self._normed(self.feed_forward(self.ffn_norm(h)), self.post_ffn_norm)
+
+    @staticmethod
+    def _normed(x: torch.Tensor, norm: Optional[RMSNorm]) -> torch.Tensor:
+        return x if norm is None else norm(x)
 
 
 # The weights of a block that quantization covers (LoRA factors, biases and norms stay float).
@@ -209,13 +270,22 @@ class Transformer(nn.Module):
         self.args, self.ctx = args, ctx
         self.tok_embeddings = ParallelEmbedding(args.vocab_size, args.dim, ctx)
         linears = self.block_linears(args)
-        self.layers = nn.ModuleList(TransformerBlock(args, ctx, linears) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.windows = [args.layer_window(i) for i in range(args.n_layers)]  # None: a full-attention layer
+        self.layers = nn.ModuleList(TransformerBlock(args, ctx, linears, window) for window in self.windows)
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps, offset=args.norm_offset)
         self.output = ColumnParallelLinear(args.dim, args.vocab_size, ctx, gather_output=True)
         self._tie_embeddings()
-        # (max_seq_len, head_dim / 2, 2) float32, filled by materialize. A buffer (not saved), so a compiled step
-        # treats its shape as fixed, as it does the weights'.
-        self.register_buffer("rotations", torch.empty(args.max_seq_len, args.head_dim // 2, 2), persistent=False)
+        # (max_seq_len, head_dim / 2, 2) float32 rotations, one table per rotary embedding the layers use (Gemma 3's
+        # sliding layers have their own), filled by materialize. Buffers (not saved), so a compiled step treats
+        # their shapes as fixed, as it does the weights'.
+        self.ropes = []  # (theta, scaling) of each table
+        for window in self.windows:
+            if args.rope(window) not in self.ropes:
+                self.ropes.append(args.rope(window))
+        self.rope_of = [self.ropes.index(args.rope(window)) for window in self.windows]  # layer -> table
+        for i in range(len(self.ropes)):
+            self.register_buffer(f"rotations{i}", torch.empty(args.max_seq_len, args.head_dim // 2, 2),
+                                 persistent=False)
 
     def block_linears(self, args: ModelArgs) -> Linears:
         """The linear layers of the blocks' attention and feed-forward; a variant (llama_peft) overrides this."""
@@ -285,15 +355,15 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.fuse()
             layer.feed_forward.fuse()
-        freqs = rope_frequencies(self.args.head_dim, self.args.rope_theta, self.rope_scaling)
-        self.rotations.copy_(rope_table(freqs, self.args.max_seq_len, device))
+        for i, (theta, scaling) in enumerate(self.ropes):
+            freqs, scale = rope_frequencies(self.args.head_dim, theta, scaling)
+            getattr(self, f"rotations{i}").copy_(rope_table(freqs, self.args.max_seq_len, device, scale))
         return self
 
-    @property
-    def rope_scaling(self):
-        if self.args.use_scaled_rope and self.args.rope_scaling is None:
-            return {"rope_type": "llama3", "factor": 8.0}  # Meta's LLaMA-3.1 defaults
-        return self.args.rope_scaling
+    def _rotations(self, index) -> list[torch.Tensor]:
+        """Each layer's rotations at `index` (positions): one lookup per table."""
+        tables = [getattr(self, f"rotations{i}")[index] for i in range(len(self.ropes))]
+        return [tables[i] for i in self.rope_of]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -306,27 +376,34 @@ class Transformer(nn.Module):
     # ---- KV cache (allocated and released by the engine) -----------------------------------------------------
 
     def setup_caches(self, rows: int, columns: int) -> None:
-        """Make sure every layer has a KV cache of exactly `rows` sequences of `columns` positions."""
+        """Make sure every layer has a KV cache of exactly `rows` sequences of `columns` positions (a sliding-window
+        layer's: a ring of its window, if that is shorter)."""
         if columns > self.args.max_seq_len:
             raise ValueError(f"{columns} positions requested; the model was set up for max_seq_len "
                              f"{self.args.max_seq_len}")
-        first = self.layers[0].attention.cache
-        if first is not None and first.k.shape[0] == rows and first.k.shape[2] == columns:
+        if self.cache_shape == (rows, columns):
             return
         self.free_caches()  # before allocating, so the old and new never coexist
-        for layer in self.layers:
-            attn = layer.attention
-            attn.cache = KVCache(rows, attn.n_local_kv_heads, columns, attn.head_dim, self.dtype, self.device)
+        for layer, window in zip(self.layers, self.windows):
+            attn, width = layer.attention, self._cache_columns(window, columns)
+            attn.cache = KVCache(rows, attn.n_local_kv_heads, width, attn.head_dim, self.dtype, self.device,
+                                 ring=width < columns)
+        self._columns = columns
+
+    @staticmethod
+    def _cache_columns(window: Optional[int], columns: int) -> int:
+        return columns if window is None else min(window, columns)
 
     def free_caches(self) -> None:
         for layer in self.layers:
             layer.attention.cache = None
+        self._columns = None
 
     @property
     def cache_shape(self) -> Optional[tuple[int, int]]:
-        """(rows, columns) of the KV cache, or None."""
+        """(rows, positions) of the KV cache, or None."""
         cache = self.layers[0].attention.cache
-        return None if cache is None else (cache.k.shape[0], cache.k.shape[2])
+        return None if cache is None else (cache.k.shape[0], self._columns)
 
     @property
     def cache_nbytes(self) -> int:
@@ -335,7 +412,17 @@ class Transformer(nn.Module):
     def cache_row_nbytes(self, columns: int) -> int:
         """Bytes one KV-cache row of `columns` positions takes on this rank (every layer's keys and values)."""
         attn = self.layers[0].attention
-        return 2 * self.args.n_layers * attn.n_local_kv_heads * attn.head_dim * columns * self.dtype.itemsize
+        widths = sum(self._cache_columns(window, columns) for window in self.windows)
+        return 2 * attn.n_local_kv_heads * attn.head_dim * widths * self.dtype.itemsize
+
+    def reusable_prefix(self, length: int, held: int) -> int:
+        """How much of a `length`-token prefix shared with a cache row holding `held` tokens can be copied from it
+        (prefix caching): all of it, unless a sliding-window ring of the row no longer holds the positions just
+        before `length` (the row went on past them), then none."""
+        rings = [self._cache_columns(w, self._columns) for w in self.windows if w is not None and self._columns]
+        if not rings or held <= min(rings) or length == held:
+            return length
+        return 0
 
     def move_cache_rows(self, dst: list[int], src: list[int], end: int) -> None:
         for layer in self.layers:
@@ -352,17 +439,26 @@ class Transformer(nn.Module):
         if images:
             raise ValueError("this model reads text only: it has no vision encoder for images (a vision-language "
                              "llama_type such as 'llava' has one)")
-        return self.tok_embeddings(tokens, self.dtype)
+        return self._scaled(self.tok_embeddings(tokens, self.dtype))
+
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
+        scale = self.args.embedding_scale
+        return h if scale is None else h * torch.tensor(scale, dtype=h.dtype)  # rounded to the dtype, as HF does
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of the final hidden states h, this rank's slice, soft-capped if the family does."""
+        logits = self.output.project(self.norm(h)).float()
+        cap = self.args.logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, images: Sequence[ImagePlacement] = ()) -> torch.Tensor:
         """Float32 logits (B, L, vocab) of whole sequences (B, L) from position 0, on every rank; nothing is
         cached (scoring). `images`: where images go."""
         h = self.embed(tokens, images)
-        rotations = self.rotations[:tokens.shape[1]][None]
-        for layer in self.layers:
-            h = layer(h, rotations)
-        return self.output(self.norm(h)).float()
+        for layer, rotations in zip(self.layers, self._rotations(slice(0, tokens.shape[1]))):
+            h = layer(h, rotations[None])
+        return self.output.gathered(self._logits(h))
 
     def prefill(self, tokens: torch.Tensor, segments: list[Segment],
                 images: Sequence[Optional[torch.Tensor]] = ()) -> torch.Tensor:
@@ -373,21 +469,28 @@ class Transformer(nn.Module):
         rows = torch.tensor([seg.row for seg in segments for _ in range(seg.length)], device=device)
         positions = torch.tensor([p for seg in segments for p in range(seg.past, seg.past + seg.length)],
                                  device=device)
-        masks = [prefill_mask(seg.past, seg.length, device) for seg in segments]  # the same in every layer
+        masks = {None: [prefill_mask(seg.past, seg.length, device) for seg in segments]}  # the same in every layer
+        for layer, window in zip(self.layers, self.windows):  # and in every sliding layer
+            if window is not None and window not in masks:
+                masks[window] = [window_prefill(seg, window, layer.attention.cache.columns, device)
+                                 for seg in segments]
         placements = [ImagePlacement(0, seg.start, seg.start + seg.length, pixels)
                       for seg, pixels in zip(segments, images) if pixels is not None]
         h = self.embed(tokens[None], placements)  # (1, T, dim)
-        rotations = self.rotations[positions][None]
-        for layer in self.layers:
-            h = layer.prefill(h, rotations, rows, positions, segments, masks)
+        for layer, window, rotations in zip(self.layers, self.windows, self._rotations(positions)):
+            h = layer.prefill(h, rotations[None], rows, positions, segments, masks[window])
         last = torch.tensor([seg.start + seg.length - 1 for seg in segments], device=device)
-        return self.output.project(self.norm(h[0, last])).float()
+        return self._logits(h[0, last])
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """One token per cache row 0..B-1: tokens and positions (B,), mask (B, 1, 1, C) from `decode_mask`. This
         rank's logits (B, local vocab). Static shapes, no host sync: the engine may compile it."""
-        h = self.tok_embeddings(tokens[:, None], self.dtype)  # (B, 1, dim)
-        rotations = self.rotations[positions][:, None]  # (B, 1, D/2, 2)
-        for layer in self.layers:
-            h = layer.decode(h, rotations, positions, mask)
-        return self.output.project(self.norm(h[:, 0])).float()
+        h = self._scaled(self.tok_embeddings(tokens[:, None], self.dtype))  # (B, 1, dim)
+        masks = {None: mask}
+        for layer, window in zip(self.layers, self.windows):  # a ring's written columns: (B, 1, 1, its columns)
+            if window is not None and window not in masks:
+                cache = layer.attention.cache
+                masks[window] = decode_mask(positions, cache.columns) if cache.ring else mask
+        for layer, window, rotations in zip(self.layers, self.windows, self._rotations(positions)):
+            h = layer.decode(h, rotations[:, None], positions, masks[window])  # rotations (B, 1, D/2, 2)
+        return self._logits(h[:, 0])

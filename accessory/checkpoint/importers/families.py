@@ -1,0 +1,189 @@
+"""Each model family's importer mapping: how its HF folders and llama.cpp GGUF files name its tensors and config,
+on top of LLaMA's (hf.py `HF_TO_META`, gguf.py `GGUF_TO_META`). Adding a family is one model file
+(model/LLM/<type>.py), one `Family` here, and one test (docs/adding-a-model.md).
+
+Canonical names beyond LLaMA's: `layers.N.attention.w{q,k,v}.bias` (qkv bias), `layers.N.attention.{q,k}_norm.weight`
+(q/k norm), `layers.N.post_attention_norm.weight` and `layers.N.post_ffn_norm.weight` (sandwich norms). q and k (their
+rows, biases and norm weights) are in Meta's interleaved RoPE layout, as for LLaMA.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from accessory.errors import CheckpointError, ConfigError
+
+QKV_BIAS_HF = {f"model.layers.{{i}}.self_attn.{p}_proj.bias": f"layers.{{i}}.attention.w{p}.bias" for p in "qkv"}
+QK_NORM_HF = {f"model.layers.{{i}}.self_attn.{p}_norm.weight": f"layers.{{i}}.attention.{p}_norm.weight"
+              for p in "qk"}
+QKV_BIAS_GGUF = {f"blk.{{i}}.attn_{p}.bias": f"layers.{{i}}.attention.w{p}.bias" for p in "qkv"}
+QK_NORM_GGUF = {f"blk.{{i}}.attn_{p}_norm.weight": f"layers.{{i}}.attention.{p}_norm.weight" for p in "qk"}
+
+
+def _no_keys(hf: dict, source: str) -> dict:
+    return {}
+
+
+def _no_gguf_keys(meta: Callable, config: dict, source: str) -> dict:
+    return {}
+
+
+@dataclass(frozen=True)
+class Family:
+    """`hf_names` / `gguf_names`: name templates (`{i}`: the layer) added to LLaMA's, or replacing its entry for the
+    same canonical name. `hf_config(hf, source)` / `gguf_config(meta, config, source)`: the family's own config keys.
+    `gguf_rotate_half`: llama.cpp keeps this architecture's q/k in HF's rotate-half layout (its NEOX RoPE), so they
+    are permuted on import, as from HF. `gguf_norm_shift`: what llama.cpp's converter added to every norm weight."""
+    llama_type: str
+    hf_architectures: tuple[str, ...]
+    hf_model_types: tuple[str, ...]
+    gguf_arch: Optional[str] = None
+    hf_names: dict = field(default_factory=dict)
+    gguf_names: dict = field(default_factory=dict)
+    hf_config: Callable[[dict, str], dict] = _no_keys
+    gguf_config: Callable[[Callable, dict, str], dict] = _no_gguf_keys
+    gguf_rotate_half: bool = False
+    gguf_norm_shift: float = 0.0
+
+
+# ---- sliding windows, as HF configs write them ---------------------------------------------------------------------
+
+HF_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
+
+
+def hf_windows(hf: dict, source: str, every_layer: bool) -> dict:
+    """sliding_window and layer_types from an HF config (none if it has no window): its `layer_types` if it has
+    them; else Qwen's use_sliding_window / max_window_layers; else (`every_layer`: Mistral) a window on every
+    layer."""
+    window = hf.get("sliding_window")
+    if "use_sliding_window" in hf and not hf["use_sliding_window"]:
+        window = None
+    types = hf.get("layer_types")
+    if types is not None:
+        unknown = sorted(set(types) - set(HF_LAYER_TYPES))
+        if unknown:
+            raise ConfigError(f"{source}: layer_types {unknown} are not supported; expected {list(HF_LAYER_TYPES)}")
+        types = [HF_LAYER_TYPES[kind] for kind in types]
+        if window is None or "sliding" not in types:
+            return {}
+        return {"sliding_window": window, "layer_types": types}
+    if window is None:
+        return {}
+    if every_layer:
+        return {"sliding_window": window, "layer_types": None}
+    first = hf.get("max_window_layers", 0)  # Qwen: layers from max_window_layers on slide
+    return {"sliding_window": window,
+            "layer_types": ["sliding" if i >= first else "full" for i in range(hf["num_hidden_layers"])]}
+
+
+def _qwen_config(hf: dict, source: str) -> dict:
+    if hf.get("attention_bias") is False and hf.get("model_type") == "qwen2":
+        raise ConfigError(f"{source}: attention_bias is false, but Qwen2 layers have q/k/v biases")
+    return hf_windows(hf, source, every_layer=False)
+
+
+def _qwen3_config(hf: dict, source: str) -> dict:
+    if hf.get("attention_bias"):
+        raise ConfigError(f"{source}: attention_bias is true; Qwen3 layers with biases are not supported")
+    return hf_windows(hf, source, every_layer=False)
+
+
+def _mistral_config(hf: dict, source: str) -> dict:
+    """LLaMA's and Mistral's: a window, if the config has one, on every layer."""
+    return hf_windows(hf, source, every_layer=True)
+
+
+def _gemma3_config(hf: dict, source: str) -> dict:
+    if hf.get("attn_logit_softcapping") is not None:
+        raise ConfigError(f"{source}: attn_logit_softcapping is {hf['attn_logit_softcapping']}; attention logit "
+                          f"soft-capping (Gemma 2) is not supported")
+    if hf.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ConfigError(f"{source}: hidden_activation {hf['hidden_activation']!r} is not supported; Gemma 3 uses "
+                          f"'gelu_pytorch_tanh'")
+    if "layer_types" not in hf and hf.get("sliding_window") is not None:
+        pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+        hf = {**hf, "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                    for i in range(hf["num_hidden_layers"])]}
+    params = hf.get("rope_parameters") or {}
+    local = params.get("sliding_attention", {}).get("rope_theta", hf.get("rope_local_base_freq", 10000.0))
+    return {**hf_windows(hf, source, every_layer=False), "rope_local_theta": float(local),
+            "query_pre_attn_scalar": hf.get("query_pre_attn_scalar"),
+            "final_logit_softcapping": hf.get("final_logit_softcapping")}
+
+
+def _gemma3_gguf(meta: Callable, config: dict, source: str) -> dict:
+    # llama.cpp's own rules for gemma3 (src/llama-model.cpp): every sixth layer global, local RoPE base 10000, and
+    # the query scale of 1 / sqrt(head_dim), except for the 27B model (62 layers), whose is 1 / sqrt(dim / heads).
+    n_layers = config["n_layers"]
+    scalar = config["dim"] // config["n_heads"] if n_layers == 62 else config["head_dim"]
+    return {"sliding_window": meta("gemma3.attention.sliding_window"),
+            "layer_types": ["sliding" if (i + 1) % 6 else "full" for i in range(n_layers)],
+            "rope_local_theta": 10000.0, "query_pre_attn_scalar": float(scalar),
+            "final_logit_softcapping": meta("gemma3.final_logit_softcapping", None)}
+
+
+def _qwen_gguf(arch: str):
+    def keys(meta: Callable, config: dict, source: str) -> dict:
+        window = meta(f"{arch}.attention.sliding_window", None)
+        return {} if window is None else {"sliding_window": window}
+    return keys
+
+
+GEMMA3_NORMS_HF = {
+    "model.layers.{i}.input_layernorm.weight": "layers.{i}.attention_norm.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.post_attention_norm.weight",
+    "model.layers.{i}.pre_feedforward_layernorm.weight": "layers.{i}.ffn_norm.weight",
+    "model.layers.{i}.post_feedforward_layernorm.weight": "layers.{i}.post_ffn_norm.weight",
+}
+
+FAMILIES = (
+    Family("llama", ("LlamaForCausalLM",), ("llama",), "llama", hf_config=_mistral_config),
+    Family("mistral", ("MistralForCausalLM",), ("mistral",), hf_config=_mistral_config),
+    Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), "qwen2", hf_names=QKV_BIAS_HF, gguf_names=QKV_BIAS_GGUF,
+           hf_config=_qwen_config, gguf_config=_qwen_gguf("qwen2"), gguf_rotate_half=True),
+    Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), "qwen3", hf_names=QK_NORM_HF, gguf_names=QK_NORM_GGUF,
+           hf_config=_qwen3_config, gguf_config=_qwen_gguf("qwen3"), gguf_rotate_half=True),
+    Family("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), ("gemma3_text", "gemma3"), "gemma3",
+           hf_names={**QK_NORM_HF, **GEMMA3_NORMS_HF},
+           gguf_names={**QK_NORM_GGUF, "blk.{i}.post_attention_norm.weight": "layers.{i}.post_attention_norm.weight",
+                       "blk.{i}.post_ffw_norm.weight": "layers.{i}.post_ffn_norm.weight"},
+           hf_config=_gemma3_config, gguf_config=_gemma3_gguf, gguf_rotate_half=True, gguf_norm_shift=1.0),
+)
+HF_ARCHITECTURES = {arch: family for family in FAMILIES for arch in family.hf_architectures}
+HF_MODEL_TYPES = {kind: family for family in FAMILIES for kind in family.hf_model_types}
+GGUF_ARCHITECTURES = {family.gguf_arch: family for family in FAMILIES if family.gguf_arch}
+
+
+def hf_family(hf: dict, source: str) -> Family:
+    """The family of an HF config: by its `architectures`, or its `model_type` when it names none (a
+    vision-language config's text_config)."""
+    architectures = hf.get("architectures")
+    if architectures is None and hf.get("model_type", "llama") in HF_MODEL_TYPES:
+        return HF_MODEL_TYPES[hf.get("model_type", "llama")]
+    if not isinstance(architectures, list) or len(architectures) != 1 or architectures[0] not in HF_ARCHITECTURES:
+        raise CheckpointError(f"{source}: architectures is {architectures}; these can be imported: "
+                              f"{sorted(HF_ARCHITECTURES) + ['LlavaForConditionalGeneration']}")
+    return HF_ARCHITECTURES[architectures[0]]
+
+
+def gguf_family(architecture, source: str) -> Family:
+    if architecture not in GGUF_ARCHITECTURES:
+        raise CheckpointError(f"{source}: general.architecture is {architecture!r}; these GGUF architectures can be "
+                              f"imported: {sorted(GGUF_ARCHITECTURES)} (Mistral's files say 'llama')")
+    return GGUF_ARCHITECTURES[architecture]
+
+
+def with_family_names(base: dict, extra: dict) -> dict:
+    """LLaMA's name table with a family's entries added, an entry for the same canonical name replacing LLaMA's."""
+    replaced = set(extra.values())
+    return {**{k: v for k, v in base.items() if v not in replaced}, **extra}
+
+
+def qk_tensors(n_layers: int) -> list[tuple[str, str]]:
+    """(canonical name, "q" or "k") of every tensor in the q/k RoPE layout: rows, biases, norm weights."""
+    names = []
+    for i in range(n_layers):
+        for p in "qk":
+            names += [(f"layers.{i}.attention.w{p}.weight", p), (f"layers.{i}.attention.w{p}.bias", p),
+                      (f"layers.{i}.attention.{p}_norm.weight", "norm")]
+    return names

@@ -1,0 +1,133 @@
+"""Every family (qwen2, qwen3, mistral, gemma3) against transformers: a tiny random model of each, built and saved
+by transformers, imported by `accessory convert hf`, gives transformers' greedy tokens at 1 and 2 ranks, eager and
+compiled, on a short prompt and on one that crosses the sliding window (and removing the window changes the tokens,
+so the window is what is tested); the prefix cache and int8 quantization work on them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from tiny import FAMILY_CONFIGS, WINDOW, build_tiny_family, greedy_ids
+
+GEN_STEPS = 24
+FAMILIES = list(FAMILY_CONFIGS)
+WINDOWED = ("mistral", "gemma3")
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(7)
+    return [[1] + torch.randint(10, 32000, (n,), generator=generator).tolist() for n in (7, 60)]
+
+
+def hf_greedy(model, ids: list[int], steps: int) -> list[int]:
+    tokens = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(steps):
+            tokens = torch.cat([tokens, model(tokens).logits[:, -1:].argmax(-1)], dim=1)
+    return tokens[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory, llama_tokenizer) -> dict:
+    """family -> (its HF model, the folder `accessory convert hf` made of it, transformers' greedy tokens)."""
+    from accessory.checkpoint.convert import convert
+
+    root, out = tmp_path_factory.mktemp("families"), {}
+    for family in FAMILIES:
+        model = build_tiny_family(family, root / f"{family}-hf", llama_tokenizer)
+        folder = convert("hf", root / f"{family}-hf", root / family, shards=2)
+        out[family] = (model, folder, [hf_greedy(model, ids, GEN_STEPS) for ids in prompts()])
+    return out
+
+
+def our_tokens(folder, **options) -> list[list[int]]:
+    from accessory.model.meta import MetaModel
+
+    model = MetaModel.from_pretrained(str(folder), max_seq_len=128, **options)
+    return greedy_ids(model, prompts(), GEN_STEPS)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_equals_transformers_greedy_tokens(family, families):
+    _, folder, expected = families[family]
+    assert our_tokens(folder) == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_equals_transformers(family, families):
+    _, folder, expected = families[family]
+    assert our_tokens(folder, compile=True) == expected
+
+
+def every_family_at_two_ranks(folders: dict) -> dict:
+    return {family: our_tokens(folder) for family, folder in folders.items()}
+
+
+def test_two_ranks_equal_transformers(families):
+    """At 2 ranks the KV heads are split (2 of them), or replicated (Gemma's one)."""
+    results = run_ranks(2, every_family_at_two_ranks, {f: folder for f, (_, folder, _) in families.items()})
+    for rank, result in enumerate(results):
+        assert not isinstance(result, Exception), result.rank_traceback
+        for family, (_, _, expected) in families.items():
+            assert result[family] == expected, f"{family} at rank {rank}"
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_the_window_matters(family, families, tmp_path, llama_tokenizer):
+    """The same weights without a window (one far beyond the prompt) give other tokens for the prompt that crosses
+    it: the windowed tokens above are the window's doing."""
+    unwindowed = build_tiny_family(family, tmp_path / "hf", llama_tokenizer, sliding_window=4096)
+    long_prompt = prompts()[1]
+    assert hf_greedy(unwindowed, long_prompt, GEN_STEPS) != families[family][2][1]
+
+
+class ReusedCounted:
+    """An engine whose configured copies add up the prompt tokens they reused."""
+    tokens = 0
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def configured(self, **changes):
+        engine = self.engine.configured(**changes)
+        stream = engine.stream
+
+        def counted(requests):
+            yield from stream(requests)
+            ReusedCounted.tokens += engine.stats.reused_tokens
+        engine.stream = counted
+        return engine
+
+
+def test_prefix_cache_reuses_through_a_ring(families):
+    """A prompt sharing 18 tokens with one admitted beside it copies them from that row's ring (which holds all of
+    them: the row is shorter than the window) and gives the tokens it gives alone, decoding well past the window;
+    and the KV cache of the windowed layers holds only the window. (A row that went on past the window gives none:
+    `reusable_prefix`.)"""
+    from accessory.model.meta import MetaModel
+
+    _, folder, _ = families["gemma3"]
+    model = MetaModel.from_pretrained(str(folder), max_seq_len=128)
+    first = prompts()[1][:WINDOW - 2]  # its row's ring still holds all of it
+    second = first[:18] + [11, 12, 13, 14, 15]
+    together = greedy_ids(model, [first, second], GEN_STEPS, engine=ReusedCounted(model.engine))
+    assert ReusedCounted.tokens == 18
+    alone = [greedy_ids(model, [p], GEN_STEPS, engine=model.engine.configured(prefix_cache=False))[0]
+             for p in (first, second)]
+    assert together == alone
+    model.llma.setup_caches(2, 128)
+    assert [c.k.shape[2] for c in (layer.attention.cache for layer in model.llma.layers)] == [WINDOW] * 3 + [128]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_int8_keeps_the_logits(family, families):
+    """quant="int8" on every family (biases, q/k norms and sandwich norms stay float): logits close to float's."""
+    from accessory.model.meta import MetaModel
+
+    _, folder, _ = families[family]
+    ids = torch.tensor([prompts()[1]])
+    reference = MetaModel.from_pretrained(str(folder), max_seq_len=128).llma(ids)
+    quantized = MetaModel.from_pretrained(str(folder), max_seq_len=128, quant="int8").llma(ids)
+    cosine = torch.nn.functional.cosine_similarity(reference.flatten(), quantized.flatten(), dim=0)
+    assert cosine > 0.999, cosine

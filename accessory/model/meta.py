@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from accessory.checkpoint.config import CheckpointSpec, read_spec, resolved_config
+from accessory.checkpoint.direct import imported
 from accessory.checkpoint.load import load_weights
 from accessory.errors import ConfigError, TokenizerError
 from accessory.generation.chat import render_chat
@@ -55,7 +56,8 @@ class MetaModel(nn.Module):
         """Load a checkpoint folder (or a list of folders, later ones overriding earlier ones) onto the
         model-parallel group `mp_group` (default: fairscale's model-parallel group if this process set one up, as
         LLaMA2-Accessory's scripts do with `initialize_model_parallel(n)`; else the torchrun world; else this
-        process alone).
+        process alone). A path may also be a llama.cpp `.gguf` file (its quantized bits kept) or a Hugging Face
+        model folder: it is imported once into the cache, then loaded from there (checkpoint/direct.py).
 
         Every rank builds the model on the meta device and copies in only its own slice of each tensor, resharding
         from the checkpoint's shard count to the group's size. The config, tokenizer and parallel size are checked
@@ -77,8 +79,8 @@ class MetaModel(nn.Module):
         `with_visual`: LLaMA2-Accessory's flag for a model that reads images. A vision-language checkpoint (llama_type
         "llava") loads its vision tower either way; with_visual=True on a text model is an error.
         """
-        folders = [Path(p) for p in ([pretrained_path] if isinstance(pretrained_path, (str, Path))
-                                     else pretrained_path)]
+        folders = [imported(Path(p)) for p in ([pretrained_path] if isinstance(pretrained_path, (str, Path))
+                                               else pretrained_path)]
         settings = EngineSettings(max_batch_size=max_batch_size, compile=compile,  # checked before loading
                                   prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes)
         if mp_group is None:

@@ -1,0 +1,71 @@
+"""Google's real Gemma 3 270M (base), from its Q4_K_M GGUF: imported in float32, it gives transformers' greedy
+continuation of the same GGUF at 1 and 2 ranks (transformers reads the file itself, the independent oracle); loaded
+directly from the file with its K-quant bits kept, its greedy text starts as transformers' does."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_ranks
+
+PROMPTS = ["The capital of France is", "The three primary colours are"]
+# What transformers' greedy continuation starts with (its first 8 tokens are compared whole below)
+STARTS = [" the capital of the country of France. It is the largest city", " red, yellow and blue."]
+GEN_STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def oracle(gemma3_gguf) -> list[list[int]]:
+    """transformers' greedy tokens for PROMPTS, from the GGUF dequantized to float32 by transformers itself."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name,
+                                                 dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name)
+    tokens = []
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=GEN_STEPS, do_sample=False)
+        tokens.append(out[0, ids.shape[1]:].tolist())
+    assert tokenizer.decode(tokens[0]).startswith(STARTS[0])
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def float_import(gemma3_gguf, tmp_path_factory):
+    from accessory.checkpoint.convert import convert
+
+    return convert("gguf", gemma3_gguf, tmp_path_factory.mktemp("gemma3") / "float32", shards=2)
+
+
+def test_float32_equals_transformers_at_1_and_2_ranks(float_import, oracle):
+    from accessory.model.meta import MetaModel
+    from tiny import greedy_ids
+
+    model = MetaModel.from_pretrained(str(float_import), max_seq_len=256)
+    prompts = [model.tokenizer.encode(p, bos=True, eos=False) for p in PROMPTS]
+    assert greedy_ids(model, prompts, GEN_STEPS) == oracle
+    for rank, result in enumerate(run_ranks(2, greedy_tokens_of, float_import)):
+        assert not isinstance(result, Exception), result.rank_traceback
+        assert result == oracle, f"rank {rank}"
+
+
+def greedy_tokens_of(folder) -> list[list[int]]:
+    from accessory.model.meta import MetaModel
+    from tiny import greedy_ids
+
+    model = MetaModel.from_pretrained(str(folder), max_seq_len=256)
+    return greedy_ids(model, [model.tokenizer.encode(p, bos=True, eos=False) for p in PROMPTS], GEN_STEPS)
+
+
+def test_kept_kquant_bits_loaded_from_the_file_start_as_transformers(gemma3_gguf, oracle):
+    """`from_pretrained("model.gguf")`: imported once into the cache with its Q4_K / Q6_K / Q5_0 / Q8_0 bits, then
+    loaded; the greedy text starts as the float32 oracle's."""
+    from accessory.model.meta import MetaModel
+
+    model = MetaModel.from_pretrained(str(gemma3_gguf), max_seq_len=256)
+    assert set(model.llma.quantization.values()) == {"q4_k", "q6_k", "q5_0", "int8"}
+    texts = model.generate(PROMPTS, max_gen_len=GEN_STEPS)
+    for text, start in zip(texts, STARTS):
+        assert text.startswith(start), text

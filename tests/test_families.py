@@ -131,3 +131,20 @@ def test_int8_keeps_the_logits(family, families):
     quantized = MetaModel.from_pretrained(str(folder), max_seq_len=128, quant="int8").llma(ids)
     cosine = torch.nn.functional.cosine_similarity(reference.flatten(), quantized.flatten(), dim=0)
     assert cosine > 0.999, cosine
+
+
+def test_an_hf_folder_loads_directly(families, tmp_path, monkeypatch, caplog):
+    """`from_pretrained` of the HF folder itself: imported once into the cache, then read from there."""
+    import logging
+
+    from accessory.model.meta import MetaModel
+
+    monkeypatch.setenv("ACCESSORY_CACHE", str(tmp_path))
+    hf_folder = families["qwen2"][1].parent / "qwen2-hf"
+    with caplog.at_level(logging.INFO, logger="accessory.checkpoint.direct"):
+        first = greedy_ids(MetaModel.from_pretrained(str(hf_folder), max_seq_len=128), prompts(), GEN_STEPS)
+        second = greedy_ids(MetaModel.from_pretrained(str(hf_folder), max_seq_len=128), prompts(), GEN_STEPS)
+    assert first == second == families["qwen2"][2]
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("importing it once" in m for m in said) == 1 and sum("loading its import" in m for m in said) == 1
+    assert len(list((tmp_path / "imported").iterdir())) == 2  # the import and its lock file

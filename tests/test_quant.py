@@ -256,7 +256,7 @@ def test_requantizing_or_quantizing_twice_is_refused(kept_checkpoint, tmp_path, 
 
 def test_a_split_off_the_quantization_groups_is_refused_by_name():
     """At 2 ranks the tiny model's 96 attention outputs (and embedding features) split 48 + 48: not whole groups
-    of 32. The refusal names the weight, the slice and the group size."""
+    of 32. The refusal names the weight, the slice, the rank count and the group size."""
     from accessory.errors import ConfigError
     from accessory.model.LLM.llama import ModelArgs, Transformer
     from accessory.parallel import ParallelContext
@@ -265,6 +265,7 @@ def test_a_split_off_the_quantization_groups_is_refused_by_name():
 
     with torch.device("meta"):
         model = Transformer(ModelArgs(**TINY_CONFIGS["mha"]), ParallelContext(None, 0, 2, 0))
-    with pytest.raises(ConfigError, match=r"cannot quantize layers.0.attention.wo.weight as int8: this rank's "
-                                          r"inputs \[0, 48\) of 96 do not fall on quantization groups of 32"):
+    with pytest.raises(ConfigError, match=r"cannot quantize layers.0.attention.wo.weight as int8: int8 stores whole "
+                                          r"blocks of 32 inputs, but this rank's inputs \[0, 48\) of 96 at 2 "
+                                          r"model-parallel ranks do not fall on them"):
         model.quantize_(model.quantization_plan("int8"))

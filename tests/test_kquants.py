@@ -91,7 +91,7 @@ def test_synthetic_blocks_dequantize_exactly_as_gguf(fmt):
 @pytest.mark.parametrize("fmt", K_FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 40, 520])
 def test_quantized_linear_equals_f_linear_on_the_dequantized_weight(fmt, rows):
-    """Up to 512 rows the kernel, above (520) the dequantizing path; K = 768 (not a multiple of 512), an odd number
+    """Up to 128 rows the kernel, above (520) the dequantizing path; K = 768 (not a multiple of 512), an odd number
     of outputs; and bf16 input."""
     from accessory.kernels import quantized_linear
     from accessory.kernels.dispatch import BLOCK_KERNEL_MAX_ROWS

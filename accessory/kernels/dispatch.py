@@ -29,8 +29,9 @@ from accessory.quant.formats import GGUF_BLOCKS, QUANTIZERS, dequantize
 FLOAT_KERNEL_MAX_ROWS = 16
 KERNEL_MAX_ROWS = 32
 # GGUF's block formats (q4_k, ...): their portable path dequantizes through many small torch operations (about 1 ms
-# for a million weights), so the kernels stay faster up to about 700 rows (Gemma 3 270M's shapes, benchmarks/README.md)
-BLOCK_KERNEL_MAX_ROWS = 512
+# a million weights), so the kernels stay as fast or faster up to about 128 rows (Gemma 3 270M's products, one
+# thread: Q6_K's cross there, Q4_K's near 200, Q5_0's near 500; benchmarks/README.md)
+BLOCK_KERNEL_MAX_ROWS = 128
 CHUNK_BYTES = 8 << 20  # float32 bytes of W dequantized at once on the portable path
 
 

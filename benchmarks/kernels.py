@@ -15,6 +15,17 @@ Candidates:
   32), and ours (groups of 32, GGUF's layout).
 
     python benchmarks/kernels.py --rows 1 16 --repeats 5 --threads 2
+
+`--model gemma3`: GGUF's block formats (kept from a file by `convert gguf --keep-quantized`) on Gemma 3 270M's
+shapes, 18 layers of q (1024, 640), k and v (256, 640), o (640, 1024), gate and up (2048, 640), down (640, 2048),
+and the output head (262144, 640). The K types need inputs in multiples of 256, so only o and down can be Q4_K /
+Q5_K / Q6_K (that is why the Q4_K_M file holds the others in Q5_0): each format runs on the products it can hold,
+beside the int4 kernel on the same products (a reference of bytes per second), and the file's own mix (Q5_0, Q8_0,
+Q4_K, Q6_K as Google's Q4_K_M holds them, the Q8_0 head as int8) runs on the whole pass. Each is our kernel
+(accessory::quantized_linear_cpu, called directly, whatever the row count) against the portable path (W dequantized
+in 8 MiB chunks for F.linear, dispatch.py), so the rows where the two cross are visible:
+
+    python benchmarks/kernels.py --model gemma3 --rows 1 16 --repeats 5 --threads 2
 """
 from __future__ import annotations
 
@@ -27,6 +38,10 @@ import torch.nn.functional as F
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 GROUP = 32
+# Gemma 3 270M: per layer q, k, v, o, gate, up, down (out, in), 18 layers, then the head; the Q4_K_M file's formats
+GEMMA_LAYER = {"q": (1024, 640), "k": (256, 640), "v": (256, 640), "o": (640, 1024), "gate": (2048, 640),
+               "up": (2048, 640), "down": (640, 2048)}
+GEMMA_LAYERS, GEMMA_HEAD = 18, (262144, 640)
 
 
 def main() -> None:
@@ -35,13 +50,20 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--only", nargs="+", help="run only the candidates whose name contains one of these")
+    p.add_argument("--best", action="store_true", help="the fastest pass of the repeats instead of the median (on a "
+                   "machine shared with other work, which only ever slows a pass)")
+    p.add_argument("--model", choices=["smollm2", "gemma3"], default="smollm2",
+                   help="smollm2: float32, int8, int4 on SmolLM2-135M's shapes; gemma3: GGUF's block formats")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from accessory.kernels import cpu_kernels, kernel_isa
 
     cpu_kernels()
     print(f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, ours built for {kernel_isa()}, "
-          f"{args.threads} threads; ms per pass over SmolLM2-135M's 121 products (median of {args.repeats})\n")
+          f"{args.threads} threads", end="")
+    if args.model == "gemma3":
+        return gemma3(args)
+    print(f"; ms per pass over SmolLM2-135M's 121 products ({'best' if args.best else 'median'} of {args.repeats})\n")
     weights = [torch.randn(n, k) * 0.05 for n, k in SHAPES]
     candidates = [c for c in CANDIDATES if not args.only or any(o in c[0] for o in args.only)]
     rows_header = " | ".join(f"M={m}" for m in args.rows)
@@ -50,16 +72,16 @@ def main() -> None:
     for name, prepare in candidates:
         try:
             product, nbytes = prepare(weights)
-            times = [pass_ms(product, m, args.repeats) for m in args.rows]
+            times = [pass_ms(product, m, args.repeats, best=args.best) for m in args.rows]
             cells = " | ".join(f"{t:.2f}" for t in times)
             print(f"| {name} | {nbytes / 2 ** 20:.0f} MiB | {cells} |", flush=True)
         except Exception as e:  # a candidate this torch build lacks: say so, go on
             print(f"| {name} | - | failed: {type(e).__name__}: {str(e).splitlines()[0][:80]} |", flush=True)
 
 
-def pass_ms(product, rows: int, repeats: int) -> float:
-    xs = {k: torch.randn(rows, k) for k in {k for _, k in SHAPES}}
-    run = lambda: [product(i, xs[k]) for i, (_, k) in enumerate(SHAPES)]  # noqa: E731
+def pass_ms(product, rows: int, repeats: int, shapes=SHAPES, best: bool = False) -> float:
+    xs = {k: torch.randn(rows, k) for k in {k for _, k in shapes}}
+    run = lambda: [product(i, xs[k]) for i, (_, k) in enumerate(shapes)]  # noqa: E731
     run()
     run()
     times = []
@@ -67,7 +89,7 @@ def pass_ms(product, rows: int, repeats: int) -> float:
         start = time.perf_counter()
         run()
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return min(times) if best else statistics.median(times)
 
 
 # ---- candidates: each returns (product(i, x) -> y, bytes of all W) ---------------------------------------------------
@@ -139,6 +161,75 @@ def int4_pack_mm(weights):
         scales_zeros.append(torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous())
         nbytes += packed[-1].numel() * packed[-1].element_size() + scales_zeros[-1].numel() * 4
     return (lambda i, x: torch._weight_int4pack_mm_for_cpu(x, packed[i], GROUP, scales_zeros[i])), nbytes
+
+
+# ---- Gemma 3 270M: GGUF's block formats --------------------------------------------------------------------------
+
+def gemma3(args) -> None:
+    """Per format, on the products it can hold: ours, the portable path, and int4 ours on the same products."""
+    layer = [(name, shape) for name, shape in GEMMA_LAYER.items()] * GEMMA_LAYERS
+    mix = [(shape, "q4_k" if name == "o" or (name == "down" and i % 2) else "q8_0" if name == "v" and i % 2
+            else "q6_k" if name == "down" else "q5_0") for i, (name, shape) in enumerate(layer)]
+    sets = {"q4_k": [(shape, "q4_k") for name, shape in layer if name in ("o", "down")],
+            "q5_k": [(shape, "q5_k") for name, shape in layer if name in ("o", "down")],
+            "q6_k": [(shape, "q6_k") for name, shape in layer if name in ("o", "down")],
+            "q5_0": [(shape, "q5_0") for _, shape in layer],
+            "Q4_K_M file mix": mix + [(GEMMA_HEAD, "q8_0")]}
+    print(f"; ms per pass ({'best' if args.best else 'median'} of {args.repeats}) and weight bytes streamed per "
+          f"second\n")
+    rows_header = " | ".join(f"M={m} ms | GB/s" for m in args.rows)
+    print(f"| format (products) | candidate | bytes of W | {rows_header} |")
+    print("|---|---|--:|" + "--:|--:|" * len(args.rows))
+    for label, products in sets.items():
+        shapes = [shape for shape, _ in products]
+        formats = {fmt for _, fmt in products}
+        parts = [block_parts(shape, fmt) for shape, fmt in products]
+        candidates = [("ours", kernel_product), ("dequantize + F.linear", portable_product)]
+        if formats <= {"q4_k", "q5_k", "q6_k", "q5_0"}:
+            candidates.append(("int4 ours, same products", None))
+        for name, make in candidates:
+            if args.only and not any(o in f"{label} {name}" for o in args.only):
+                continue
+            these = parts if make else [block_parts(shape, "int4") for shape in shapes]
+            product = (make or kernel_product)(these)
+            nbytes = sum(t.numel() * t.element_size() for fmt, p in these for t in p.values())
+            times = [pass_ms(product, m, args.repeats, shapes, args.best) for m in args.rows]
+            cells = " | ".join(f"{t:.2f} | {nbytes / t / 1e6:.1f}" for t in times)
+            print(f"| {label} ({len(shapes)}) | {name} | {nbytes / 2 ** 20:.0f} MiB | {cells} |", flush=True)
+
+
+def block_parts(shape, fmt):
+    """(our format, its parts) for a random weight of `shape`: GGUF blocks as random valid bytes (speed depends on
+    bytes, not values), int4 / int8 (Q8_0) quantized from random floats."""
+    out, features = shape
+    if fmt in ("int4", "q8_0"):
+        from accessory.quant.formats import quantize
+
+        ours = "int8" if fmt == "q8_0" else fmt
+        return ours, quantize(torch.randn(out, features) * 0.05, ours)
+    from accessory.quant.formats import GGUF_BLOCKS
+
+    values, nbytes = GGUF_BLOCKS[fmt]
+    q = torch.randint(0, 256, (out, features // values, nbytes), dtype=torch.uint8)
+    halves = (torch.randn(out, features // values, len(HALF_AT[fmt])) * 1e-3).half().view(torch.uint8)
+    for i, at in enumerate(HALF_AT[fmt]):
+        q[..., at:at + 2] = halves[..., 2 * i:2 * i + 2]
+    return fmt, {"q": q.reshape(out, -1)}
+
+
+HALF_AT = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "q5_0": (0,)}  # a block's float16 d (and dmin)
+
+
+def kernel_product(parts):
+    return lambda i, x: torch.ops.accessory.quantized_linear_cpu(x, parts[i][0], parts[i][1]["q"],
+                                                                 parts[i][1].get("scale"), parts[i][1].get("min"))
+
+
+def portable_product(parts):
+    from accessory.kernels.dispatch import _dequantized_product
+
+    return lambda i, x: _dequantized_product(x, parts[i][0], parts[i][1]["q"], parts[i][1].get("scale"),
+                                             parts[i][1].get("min"))
 
 
 CANDIDATES = [

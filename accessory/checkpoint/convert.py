@@ -36,7 +36,8 @@ def convert(source: str, src: Path, dst: Path, shards: Optional[int] = 1, dtype:
             target: str = "accessory", llama_type: Optional[str] = None, llama_config: Sequence[str] = (),
             tokenizer_path=None, max_shard_bytes: int = 5 << 30, keep_quantized: bool = False) -> Path:
     """Convert checkpoint `src` of format `source` into a new folder `dst` of format `target`. `keep_quantized`
-    (GGUF to accessory): Q8_0 / Q4_0 / Q4_1 tensors keep their bits, as int8 / int4."""
+    (GGUF to accessory): Q8_0 / Q4_0 / Q4_1 tensors keep their bits, as int8 / int4, and Q4_K / Q5_K / Q6_K / Q5_0
+    ones their blocks (quant/formats.py)."""
     _check_request(source, target, Path(src), Path(dst), shards, llama_type, llama_config, tokenizer_path)
     if keep_quantized and (source, target) != ("gguf", "accessory"):
         raise CheckpointError("--keep-quantized applies to GGUF sources converted to accessory shards")

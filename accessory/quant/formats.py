@@ -85,14 +85,6 @@ PART_DTYPES = {"int8": {"q": torch.int8, "scale": torch.float16},
                **{fmt: {"q": torch.uint8} for fmt in GGUF_BLOCKS}}
 
 
-def permute_rows(parts: dict[str, torch.Tensor], fmt: str, index: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The parts of W[index] (rows of W reordered or selected, e.g. q/k heads from rotate-half to interleaved
-    RoPE): every part of every format holds W's rows as its rows, so each is indexed alike."""
-    if set(parts) != set(PARTS[fmt]):
-        raise ValueError(f"{fmt} has parts {list(PARTS[fmt])}, got {sorted(parts)}")
-    return {name: part[index] for name, part in parts.items()}
-
-
 def quantize(weight: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
     """The parts of `weight` (out, in; in a multiple of GROUP) in `fmt` (int8 or int4), computed in float32."""
     check_format(fmt, quantizing=True)

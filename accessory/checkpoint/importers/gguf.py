@@ -223,7 +223,7 @@ KEPT_TYPES = {"Q8_0": ("int8", 34), "Q4_0": ("int4", 18), "Q4_1": ("int4", 20),
 
 def kept_parts(data: np.ndarray, type_name: str) -> dict[str, torch.Tensor]:
     """Our format's parts from a GGUF matrix's raw blocks `data` (rows, bytes per row), without dequantizing. Every
-    part holds the matrix's rows as its rows (formats.permute_rows reorders them)."""
+    part holds the matrix's rows as its rows, so reordering rows indexes each part alike."""
     fmt, block = KEPT_TYPES[type_name]
     if fmt in GGUF_BLOCKS:  # the blocks as they are
         return {"q": torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))}

@@ -502,7 +502,8 @@ def _add_convert_verb(verbs) -> None:
     conv.add_argument("--max_shard_size", type=_byte_size, default=5 << 30,
                       help="HF output: largest safetensors file, e.g. 5GB, 500MB (default 5GB)")
     conv.add_argument("--keep-quantized", action="store_true", help="GGUF source: keep Q8_0 / Q4_0 / Q4_1 tensors' "
-                      "bits as int8 / int4 (bit-exact; other types are dequantized), for --quant loading")
+                      "bits as int8 / int4 and Q4_K / Q5_K / Q6_K / Q5_0 blocks as they are (bit-exact; other types "
+                      "are dequantized), for quantized loading")
     given = conv.add_argument_group("model description (accessory, meta and dcp sources)")
     given.add_argument("--llama_type", help="model type (default: meta.json's beside SRC, else llama)")
     given.add_argument("--llama_config", nargs="+", default=[], help="config files (params.json / config.json) "

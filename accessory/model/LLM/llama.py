@@ -21,6 +21,7 @@ from accessory.model.components import (PLAIN, Attention, FeedForward, KVCache, 
                                         decode_mask, prefill_mask, rope_frequencies, rope_table, window_prefill)
 from accessory.model.vision import ImagePlacement
 from accessory.parallel import ColumnParallelLinear, ParallelContext, ParallelEmbedding
+from accessory.quant.formats import GROUP, block_size
 from accessory.quant.weight import QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -324,7 +325,8 @@ class Transformer(nn.Module):
         """Hold the named weights in those formats (on the meta device, before materialize and loading)."""
         for i, layer in enumerate(self.layers):
             if any(f"layers.{i}.feed_forward.{w}.weight" in formats for w in ("w1", "w2", "w3")):
-                layer.feed_forward.align_hidden()
+                w2 = formats.get(f"layers.{i}.feed_forward.w2.weight")  # its inputs are split on its blocks
+                layer.feed_forward.align_hidden(block_size(w2) if w2 else GROUP)
         if self.args.tie_word_embeddings and "tok_embeddings.weight" in formats:
             formats = {**formats, "output.weight": formats["tok_embeddings.weight"]}
         for name, fmt in formats.items():

@@ -15,48 +15,45 @@ GEN_STEPS = 16
 
 
 @pytest.fixture(scope="module")
-def oracle(gemma3_gguf) -> list[list[int]]:
-    """transformers' greedy tokens for PROMPTS, from the GGUF dequantized to float32 by transformers itself."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name,
-                                                 dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name)
-    tokens = []
-    for prompt in PROMPTS:
-        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-        with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=GEN_STEPS, do_sample=False)
-        tokens.append(out[0, ids.shape[1]:].tolist())
-    assert tokenizer.decode(tokens[0]).startswith(STARTS[0])
-    return tokens
-
-
-@pytest.fixture(scope="module")
 def float_import(gemma3_gguf, tmp_path_factory):
     from accessory.checkpoint.convert import convert
 
-    return convert("gguf", gemma3_gguf, tmp_path_factory.mktemp("gemma3") / "float32", shards=2)
+    return convert("gguf", gemma3_gguf, tmp_path_factory.mktemp("gemma3") / "float32")
 
 
-def test_float32_equals_transformers_at_1_and_2_ranks(float_import, oracle):
+@pytest.fixture(scope="module")
+def prompt_ids(float_import) -> list[list[int]]:
+    from accessory.model.tokenizer import Tokenizer, find_tokenizer
+
+    tokenizer = Tokenizer.from_path(find_tokenizer([float_import]))
+    return [tokenizer.encode(p, bos=True, eos=False) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def oracle(gemma3_gguf, prompt_ids) -> list[list[int]]:
+    """transformers' greedy tokens for the prompts, from the GGUF dequantized to float32 by transformers itself
+    (the prompts' ids are ours: our tokenizer is the one transformers rebuilds from the GGUF's metadata)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name,
+                                                 dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model.generate(torch.tensor([ids]), max_new_tokens=GEN_STEPS, do_sample=False)[0, len(ids):].tolist()
+                for ids in prompt_ids]
+
+
+def greedy_tokens_of(folder, prompt_ids) -> list[list[int]]:
     from accessory.model.meta import MetaModel
     from tiny import greedy_ids
 
-    model = MetaModel.from_pretrained(str(float_import), max_seq_len=256)
-    prompts = [model.tokenizer.encode(p, bos=True, eos=False) for p in PROMPTS]
-    assert greedy_ids(model, prompts, GEN_STEPS) == oracle
-    for rank, result in enumerate(run_ranks(2, greedy_tokens_of, float_import)):
+    return greedy_ids(MetaModel.from_pretrained(str(folder), max_seq_len=256), prompt_ids, GEN_STEPS)
+
+
+def test_float32_equals_transformers_at_1_and_2_ranks(float_import, prompt_ids, oracle):
+    assert greedy_tokens_of(float_import, prompt_ids) == oracle
+    for rank, result in enumerate(run_ranks(2, greedy_tokens_of, float_import, prompt_ids)):
         assert not isinstance(result, Exception), result.rank_traceback
         assert result == oracle, f"rank {rank}"
-
-
-def greedy_tokens_of(folder) -> list[list[int]]:
-    from accessory.model.meta import MetaModel
-    from tiny import greedy_ids
-
-    model = MetaModel.from_pretrained(str(folder), max_seq_len=256)
-    return greedy_ids(model, [model.tokenizer.encode(p, bos=True, eos=False) for p in PROMPTS], GEN_STEPS)
 
 
 def test_kept_kquant_bits_loaded_from_the_file_start_as_transformers(gemma3_gguf, oracle):

@@ -1,6 +1,10 @@
-"""Google's real Gemma 3 270M (base), from its Q4_K_M GGUF: imported in float32, it gives transformers' greedy
-continuation of the same GGUF at 1 and 2 ranks (transformers reads the file itself, the independent oracle); loaded
-directly from the file with its K-quant bits kept, its greedy text starts as transformers' does."""
+"""Google's real Gemma 3 270M (base), from its Q4_K_M GGUF: in float32 it gives transformers' greedy continuation of
+the same GGUF at 1 and 2 ranks (transformers reads the file itself, the independent oracle); loaded directly from
+the file with its K-quant bits kept, its greedy text starts as transformers' does.
+
+The float32 checkpoint is the file's import with its bits kept, dequantized (to exactly the gguf package's values:
+tests/test_kquants.py) and saved: the same weights `convert gguf` without --keep-quantized writes, made without a
+second pass over the 262k-token file's metadata (about 30 s of the suite)."""
 from __future__ import annotations
 
 import pytest
@@ -16,9 +20,23 @@ GEN_STEPS = 16
 
 @pytest.fixture(scope="module")
 def float_import(gemma3_gguf, tmp_path_factory):
-    from accessory.checkpoint.convert import convert
+    from accessory.checkpoint.config import read_spec
+    from accessory.checkpoint.direct import imported
+    from accessory.checkpoint.save import save_checkpoint
+    from accessory.model.meta import MetaModel
+    from accessory.model.tokenizer import find_tokenizer_for
+    from accessory.quant.formats import dequantize
 
-    return convert("gguf", gemma3_gguf, tmp_path_factory.mktemp("gemma3") / "float32")
+    kept = imported(gemma3_gguf)
+    llma = MetaModel.from_pretrained(str(kept), max_seq_len=256).llma
+    tensors, quantized = llma.saved_tensors(), llma.quantization
+    state_dict = {name: t for name, t in tensors.items() if name.rpartition(".")[0] not in quantized}
+    for name, fmt in quantized.items():
+        state_dict[name] = dequantize({p.rpartition(".")[2]: t for p, t in tensors.items()
+                                       if p.rpartition(".")[0] == name}, fmt)
+    spec = read_spec([kept])
+    return save_checkpoint(tmp_path_factory.mktemp("gemma3") / "float32", state_dict, spec.config, 1,
+                           find_tokenizer_for([kept]).files, spec.llama_type)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
+from test_hf_oracle import hf_greedy
 from tiny import FAMILY_CONFIGS, WINDOW, build_tiny_family, greedy_ids
 
 GEN_STEPS = 24
@@ -18,14 +19,6 @@ WINDOWED = ("mistral", "gemma3")
 def prompts() -> list[list[int]]:
     generator = torch.Generator().manual_seed(7)
     return [[1] + torch.randint(10, 32000, (n,), generator=generator).tolist() for n in (7, 60)]
-
-
-def hf_greedy(model, ids: list[int], steps: int) -> list[int]:
-    tokens = torch.tensor([ids])
-    with torch.no_grad():
-        for _ in range(steps):
-            tokens = torch.cat([tokens, model(tokens).logits[:, -1:].argmax(-1)], dim=1)
-    return tokens[0, len(ids):].tolist()
 
 
 @pytest.fixture(scope="module")

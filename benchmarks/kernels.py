@@ -20,10 +20,11 @@ Candidates:
 shapes, 18 layers of q (1024, 640), k and v (256, 640), o (640, 1024), gate and up (2048, 640), down (640, 2048),
 and the output head (262144, 640). The K types need inputs in multiples of 256, so only o and down can be Q4_K /
 Q5_K / Q6_K (that is why the Q4_K_M file holds the others in Q5_0): each format runs on the products it can hold,
-beside the int4 kernel on the same products (a reference of bytes per second), and the file's own mix (Q5_0, Q8_0,
-Q4_K, Q6_K as Google's Q4_K_M holds them, the Q8_0 head as int8) runs on the whole pass. Each is our kernel
-(accessory::quantized_linear_cpu, called directly, whatever the row count) against the portable path (W dequantized
-in 8 MiB chunks for F.linear, dispatch.py), so the rows where the two cross are visible:
+beside the int4 kernel on the same products (a reference of bytes per second), the Q8_0 head alone (as int8), and
+the file's own mix (Q5_0, Q8_0, Q4_K, Q6_K as Google's Q4_K_M holds them, the Q8_0 head as int8) runs on the whole
+pass. Each is our kernel (accessory::quantized_linear_cpu, called directly, whatever the row count) against the
+portable path (W dequantized in 8 MiB chunks for F.linear, dispatch.py), so the rows where the two cross are
+visible:
 
     python benchmarks/kernels.py --model gemma3 --rows 1 16 --repeats 5 --threads 2
 """
@@ -174,6 +175,7 @@ def gemma3(args) -> None:
             "q5_k": [(shape, "q5_k") for name, shape in layer if name in ("o", "down")],
             "q6_k": [(shape, "q6_k") for name, shape in layer if name in ("o", "down")],
             "q5_0": [(shape, "q5_0") for _, shape in layer],
+            "q8_0 head": [(GEMMA_HEAD, "q8_0")],
             "Q4_K_M file mix": mix + [(GEMMA_HEAD, "q8_0")]}
     print(f"; ms per pass ({'best' if args.best else 'median'} of {args.repeats}) and weight bytes streamed per "
           f"second\n")

@@ -15,8 +15,9 @@
    x stays float: each group of W is dequantized in registers, exactly as the reference computes it (one rounding of
    scale * q + min), and multiplied with x in float. For float32 W this is the same loop without the dequantizing:
    at decode's few rows it beats a GEMM library, whose blocking and packing pay off only for many rows. Rows of W are split across OpenMP threads (the runtime torch
-   itself uses); up to ROWS_AT_ONCE rows of x share each dequantized group. Built at first use with the machine's
-   C compiler and -march=native: AVX-512, AVX2 + FMA + F16C, or plain C. */
+   itself uses); up to ROWS_AT_ONCE rows of x share each dequantized group. One row of x (batch-1 decode) on AVX-512
+   takes a loop per format instead (the section "one row of x"). Built at first use with the machine's C compiler
+   and -march=native: AVX-512, AVX2 + FMA + F16C, or plain C. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -492,8 +493,215 @@ INLINE void tile_columns(const float *x, int64_t M, int64_t K, const uint8_t *q,
     }
 }
 
+/* ---- one row of x (batch-1 decode) ------------------------------------------------------------------------- */
+
+/* With one row of x each weight is used once, so the product costs what decoding the weights costs. On AVX-512
+   (with its byte and word instructions, BW) each format has its own loop over a row of W: the block's layout
+   unrolled (constant shifts), the scales of a row converted to floats first, several vectors at once (bytes where
+   the layout allows), and 4 accumulators (an FMA's latency is 4 vectors' worth of work). Elsewhere one row of x
+   takes the tiles above. Every weight is still dequantized in registers exactly as the reference computes it. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define ONE_ROW 1
+
+INLINE __m512 iota16(void) { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+INLINE __m512i bytes16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+INLINE float sum4(const __m512 acc[4]) {
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+}
+
+/* Q5_0: W = d * (q - 16), exact. One table per block, d * (i - 16) for a nibble i; a lane whose 5th bit is set (the
+   block's 32 bits, as masks) adds 16 d, which gives d * (i + 16 - 16) exactly (the sum is representable). */
+INLINE void q50_block(const uint8_t *block, const float *x, __m512 *a0, __m512 *a1) {
+    uint32_t bits;
+    memcpy(&bits, block + 2, sizeof bits);
+    const float d = half_at(block);
+    const __m512 low = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_sub_ps(iota16(), _mm512_set1_ps(16)));
+    const __m512 d16 = _mm512_set1_ps(16.0f * d);
+    const __m512i v = bytes16(block + 6);
+    __m512 w0 = _mm512_permutexvar_ps(v, low), w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), low);
+    w0 = _mm512_mask_add_ps(w0, (__mmask16)bits, w0, d16);
+    w1 = _mm512_mask_add_ps(w1, (__mmask16)(bits >> 16), w1, d16);
+    *a0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x), *a0);
+    *a1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + 16), *a1);
+}
+
+INLINE float row_q5_0(const float *x, int64_t K, const uint8_t *row) {
+    const int64_t blocks = K / 32;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+        q50_block(row + 22 * b, x + 32 * b, &acc[0], &acc[1]);
+        q50_block(row + 22 * b + 22, x + 32 * b + 32, &acc[2], &acc[3]);
+    }
+    if (b < blocks) q50_block(row + 22 * b, x + 32 * b, &acc[0], &acc[1]);
+    return sum4(acc);
+}
+
+/* Q4_K / Q5_K's 8 scales d * sc and minimums -(dmin * m) of a block, unpacked from their 12 bytes in general
+   registers (formats.py _k_scales), converted 16 at once. */
+INLINE void k_scales(const uint8_t *block, float *s, float *mn) {
+    uint64_t a;
+    uint32_t c;
+    memcpy(&a, block + 4, sizeof a);
+    memcpy(&c, block + 12, sizeof c);
+    const uint32_t sc_low = (uint32_t)a & 0x3f3f3f3fu, m_low = (uint32_t)(a >> 32) & 0x3f3f3f3fu;
+    const uint32_t sc_high = (c & 0x0f0f0f0fu) | ((uint32_t)(a >> 2) & 0x30303030u);
+    const uint32_t m_high = ((c >> 4) & 0x0f0f0f0fu) | ((uint32_t)(a >> 34) & 0x30303030u);
+    const __m128i packed = _mm_set_epi32((int)m_high, (int)m_low, (int)sc_high, (int)sc_low);
+    const __m512 both = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(packed));
+    const float d = half_at(block), dmin = half_at(block + 2);
+    const __m512 factor = _mm512_setr_ps(d, d, d, d, d, d, d, d, -dmin, -dmin, -dmin, -dmin, -dmin, -dmin, -dmin, -dmin);
+    float out[16];
+    _mm512_storeu_ps(out, _mm512_mul_ps(both, factor)); /* d * sc, -(dmin * m): exact */
+    memcpy(s, out, 8 * sizeof(float));
+    memcpy(mn, out + 8, 8 * sizeof(float));
+}
+
+/* Q4_K: per pair of groups 32 bytes, the first group in their low nibbles, the second in their high ones; a
+   group's 16 values s * i + mn (s * i exact, so one rounding, as the reference's) as a table read by the nibble. */
+INLINE float row_q4_k(const float *x, int64_t K, const uint8_t *row) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t b = 0; b < K / 256; b++) {
+        const uint8_t *block = row + 144 * b;
+        float s[8], mn[8];
+        k_scales(block, s, mn);
+        for (int p = 0; p < 4; p++) {
+            const float *xp = x + 256 * b + 64 * p;
+            const __m512i lo = bytes16(block + 16 + 32 * p), hi = bytes16(block + 32 + 32 * p);
+            const __m512 t0 = _mm512_add_ps(_mm512_mul_ps(iota16(), _mm512_set1_ps(s[2 * p])), _mm512_set1_ps(mn[2 * p]));
+            const __m512 t1 = _mm512_add_ps(_mm512_mul_ps(iota16(), _mm512_set1_ps(s[2 * p + 1])),
+                                            _mm512_set1_ps(mn[2 * p + 1]));
+            acc[0] = _mm512_fmadd_ps(_mm512_permutexvar_ps(lo, t0), _mm512_loadu_ps(xp), acc[0]);
+            acc[1] = _mm512_fmadd_ps(_mm512_permutexvar_ps(hi, t0), _mm512_loadu_ps(xp + 16), acc[1]);
+            acc[2] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(lo, 4), t1), _mm512_loadu_ps(xp + 32), acc[2]);
+            acc[3] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(hi, 4), t1), _mm512_loadu_ps(xp + 48), acc[3]);
+        }
+    }
+    return sum4(acc);
+}
+
+/* Q5_K: as Q4_K, plus group i's 5th bits, bit i of 32 bytes (as masks): two tables, s * i + mn and s * (i + 16) + mn,
+   and each lane reads the one its bit picks. */
+INLINE float row_q5_k(const float *x, int64_t K, const uint8_t *row) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    const __m512 iota_high = _mm512_add_ps(iota16(), _mm512_set1_ps(16));
+    for (int64_t b = 0; b < K / 256; b++) {
+        const uint8_t *block = row + 176 * b;
+        float s[8], mn[8];
+        k_scales(block, s, mn);
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(block + 16));
+        for (int p = 0; p < 4; p++) {
+            const float *xp = x + 256 * b + 64 * p;
+            const __mmask32 h0 = _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * p))));
+            const __mmask32 h1 = _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(2 << (2 * p))));
+            const __m512i lo = bytes16(block + 48 + 32 * p), hi = bytes16(block + 64 + 32 * p);
+            const __m512i lo1 = _mm512_srli_epi32(lo, 4), hi1 = _mm512_srli_epi32(hi, 4);
+            const __m512 s0 = _mm512_set1_ps(s[2 * p]), m0 = _mm512_set1_ps(mn[2 * p]);
+            const __m512 s1 = _mm512_set1_ps(s[2 * p + 1]), m1 = _mm512_set1_ps(mn[2 * p + 1]);
+            const __m512 t0 = _mm512_fmadd_ps(s0, iota16(), m0), u0 = _mm512_fmadd_ps(s0, iota_high, m0);
+            const __m512 t1 = _mm512_fmadd_ps(s1, iota16(), m1), u1 = _mm512_fmadd_ps(s1, iota_high, m1);
+            __m512 w;
+            w = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(lo, t0), (__mmask16)h0, lo, u0);
+            acc[0] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xp), acc[0]);
+            w = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(hi, t0), (__mmask16)(h0 >> 16), hi, u0);
+            acc[1] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xp + 16), acc[1]);
+            w = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(lo1, t1), (__mmask16)h1, lo1, u1);
+            acc[2] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xp + 32), acc[2]);
+            w = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(hi1, t1), (__mmask16)(h1 >> 16), hi1, u1);
+            acc[3] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xp + 48), acc[3]);
+        }
+    }
+    return sum4(acc);
+}
+
+/* Q6_K: a half-block's 128 values decoded as bytes, 64 at a time (low nibbles joined to their 2 high bits, minus
+   32), then 16 at a time sign-extended, converted and scaled: W = (d * sc) * (q - 32), exact. */
+INLINE float row_q6_k(const float *x, int64_t K, const uint8_t *row) {
+    /* Each half's 32 high-bit bytes hold values l, l + 32, l + 64, l + 96's 2 bits at bits 0, 2, 4, 6: in both
+       256-bit halves of a vector, shifted per 16-bit word to bits 4-5 (left 4 / 2 for the first 64 values, right
+       0 / 2 for the next 64). */
+    const __m512i up = _mm512_set_epi64(0x0002000200020002, 0x0002000200020002, 0x0002000200020002, 0x0002000200020002,
+                                        0x0004000400040004, 0x0004000400040004, 0x0004000400040004, 0x0004000400040004);
+    const __m512i down = _mm512_set_epi64(0x0002000200020002, 0x0002000200020002, 0x0002000200020002, 0x0002000200020002,
+                                          0, 0, 0, 0);
+    const __m512i nibble = _mm512_set1_epi8(15), six = _mm512_set1_epi8(63), bias = _mm512_set1_epi8(32);
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t b = 0; b < K / 256; b++) {
+        const uint8_t *block = row + 210 * b;
+        float s[16];
+        _mm512_storeu_ps(s, _mm512_mul_ps(_mm512_set1_ps(half_at(block + 208)),
+                                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 192))))));
+        for (int h = 0; h < 2; h++) {
+            const float *xh = x + 256 * b + 128 * h;
+            const __m512i low = _mm512_loadu_si512((const void *)(block + 64 * h));
+            const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(block + 128 + 32 * h)));
+            __m512i v[2]; /* bytes: values 0..63, then 64..127, each q - 32 */
+            v[0] = _mm512_ternarylogic_epi32(low, _mm512_sllv_epi16(high, up), nibble, 0xE4);
+            v[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(low, 4), _mm512_srlv_epi16(high, down), nibble, 0xE4);
+            int8_t q[128];
+            for (int k = 0; k < 2; k++)
+                _mm512_storeu_si512(q + 64 * k, _mm512_sub_epi8(_mm512_and_si512(v[k], six), bias));
+            /* read back by widening loads (one shuffle a vector; extracting from the register first takes two) */
+            __asm__ volatile("" ::: "memory");
+            for (int i = 0; i < 8; i++) {
+                const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * i)))),
+                                               _mm512_set1_ps(s[8 * h + i]));
+                acc[i % 4] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xh + 16 * i), acc[i % 4]);
+            }
+        }
+    }
+    return sum4(acc);
+}
+
+/* int8 (Q8_0): W = scale * q. */
+INLINE float row_int8(const float *x, int64_t K, const int8_t *row, const uint16_t *scale) {
+    const int64_t groups = K / 32;
+    float s[groups + 16];
+    int64_t g = 0;
+    for (; g + 16 <= groups; g += 16) _mm512_storeu_ps(s + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scale + g))));
+    for (; g < groups; g++) s[g] = half_to_float(scale[g]);
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (g = 0; g + 2 <= groups; g += 2) {
+        const __m512 s0 = _mm512_set1_ps(s[g]), s1 = _mm512_set1_ps(s[g + 1]);
+        const int8_t *q = row + 32 * g;
+        const float *xg = x + 32 * g;
+        acc[0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), s0),
+                                 _mm512_loadu_ps(xg), acc[0]);
+        acc[1] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), s0),
+                                 _mm512_loadu_ps(xg + 16), acc[1]);
+        acc[2] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 32)))), s1),
+                                 _mm512_loadu_ps(xg + 32), acc[2]);
+        acc[3] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 48)))), s1),
+                                 _mm512_loadu_ps(xg + 48), acc[3]);
+    }
+    for (; g < groups; g++)
+        for (int i = 0; i < 2; i++)
+            acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 32 * g + 16 * i)))),
+                                                   _mm512_set1_ps(s[g])), _mm512_loadu_ps(x + 32 * g + 16 * i), acc[i]);
+    return sum4(acc);
+}
+
+/* y (1, N) = x (1, K) @ W^T, rows of W split across threads. */
+#define DEFINE_ONE_ROW(NAME, FMT, ROW_FN)                                                                            \
+    static void NAME(const float *x, int64_t K, const uint8_t *q, int64_t N, float *y) {                             \
+        const int64_t row_bytes = row_bytes_of(FMT, K);                                                              \
+        _Pragma("omp parallel for schedule(static)") for (int64_t n = 0; n < N; n++)                                 \
+            y[n] = ROW_FN(x, K, q + n * row_bytes);                                                                  \
+    }
+DEFINE_ONE_ROW(one_row_q4_k, Q4_K, row_q4_k)
+DEFINE_ONE_ROW(one_row_q5_k, Q5_K, row_q5_k)
+DEFINE_ONE_ROW(one_row_q6_k, Q6_K, row_q6_k)
+DEFINE_ONE_ROW(one_row_q5_0, Q5_0, row_q5_0)
+
+static void one_row_int8(const float *x, int64_t K, const int8_t *q, const uint16_t *scale, int64_t N, float *y) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) y[n] = row_int8(x, K, q + n * K, scale + n * (K / 32));
+}
+#endif
+
 /* y (M, N) = x (M, K) @ W^T: tiles of ROWS_OF_W rows of W, then W's last rows one by one, split across threads.
-   With one row of x there is nothing to share a weight vector with: W's rows go one by one (measured faster).
+   With one row of x there is nothing to share a weight vector with: W's rows go one by one (measured faster), and
+   on AVX-512 one row of x does not come here (one_row_*).
    One function per format: OpenMP moves the loop body into a function of its own, where a `fmt` argument would
    no longer be a constant that the compiler folds. */
 #define DEFINE_LINEAR(NAME, FMT)                                                                                     \
@@ -526,6 +734,9 @@ void accessory_linear_int4(const float *x, int64_t M, int64_t K, const uint8_t *
 
 void accessory_linear_int8(const float *x, int64_t M, int64_t K, const int8_t *q, const uint16_t *scale, int64_t N,
                            float *y) {
+#ifdef ONE_ROW
+    if (M == 1) return one_row_int8(x, K, q, scale, N, y);
+#endif
     linear_int8(x, M, K, (const uint8_t *)q, scale, NULL, N, y);
 }
 
@@ -539,6 +750,16 @@ void accessory_linear_f32(const float *x, int64_t M, int64_t K, const float *w, 
    a name it does not know. */
 int accessory_linear_gguf(const char *fmt, const float *x, int64_t M, int64_t K, const uint8_t *q, int64_t N,
                           float *y) {
+#ifdef ONE_ROW
+    if (M == 1) {
+        if (!strcmp(fmt, "q4_k")) one_row_q4_k(x, K, q, N, y);
+        else if (!strcmp(fmt, "q5_k")) one_row_q5_k(x, K, q, N, y);
+        else if (!strcmp(fmt, "q6_k")) one_row_q6_k(x, K, q, N, y);
+        else if (!strcmp(fmt, "q5_0")) one_row_q5_0(x, K, q, N, y);
+        else return -1;
+        return 0;
+    }
+#endif
     if (!strcmp(fmt, "q4_k")) linear_q4_k(x, M, K, q, NULL, NULL, N, y);
     else if (!strcmp(fmt, "q5_k")) linear_q5_k(x, M, K, q, NULL, NULL, N, y);
     else if (!strcmp(fmt, "q6_k")) linear_q6_k(x, M, K, q, NULL, NULL, N, y);

@@ -514,9 +514,11 @@ INLINE float sum4(const __m512 acc[4]) {
 INLINE void q50_block(const uint8_t *block, const float *x, __m512 *a0, __m512 *a1) {
     uint32_t bits;
     memcpy(&bits, block + 2, sizeof bits);
-    const float d = half_at(block);
-    const __m512 low = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_sub_ps(iota16(), _mm512_set1_ps(16)));
-    const __m512 d16 = _mm512_set1_ps(16.0f * d);
+    uint16_t half;
+    memcpy(&half, block, sizeof half);
+    const __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16((short)half)); /* broadcast, then converted: no scalar step */
+    const __m512 low = _mm512_mul_ps(d, _mm512_sub_ps(iota16(), _mm512_set1_ps(16)));
+    const __m512 d16 = _mm512_mul_ps(d, _mm512_set1_ps(16));
     const __m512i v = bytes16(block + 6);
     __m512 w0 = _mm512_permutexvar_ps(v, low), w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), low);
     w0 = _mm512_mask_add_ps(w0, (__mmask16)bits, w0, d16);

@@ -19,6 +19,7 @@
    takes a loop per format instead (the section "one row of x"). Built at first use with the machine's C compiler
    and -march=native: AVX-512, AVX2 + FMA + F16C, or plain C. */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
@@ -683,12 +684,22 @@ INLINE float row_int8(const float *x, int64_t K, const int8_t *row, const uint16
     return sum4(acc);
 }
 
-/* y (1, N) = x (1, K) @ W^T, rows of W split across threads. */
+/* y (1, N) = x (1, K) @ W^T, rows of W split across threads. A big W (the output head) streams from memory faster
+   when each thread walks its rows as two runs far apart, taken in turn (Gemma 3 270M's head, 2 cores, 4 KiB pages:
+   4.85 against 5.2 ms, as fast as with huge pages); the layers' products, a few MiB, as fast in one run. */
+#define BIG_W (16 << 20)
+#define ONE_ROW_LOOP(N, BYTES, BODY)                                                                                 \
+    _Pragma("omp parallel") {                                                                                        \
+        const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num(), runs = (BYTES) >= BIG_W ? 2 : 1;\
+        const int64_t first = (N) * thread / threads, last = (N) * (thread + 1) / threads;                           \
+        const int64_t run = (last - first + runs - 1) / runs;                                                        \
+        for (int64_t i = 0; i < run; i++)                                                                            \
+            for (int64_t n = first + i; n < last; n += run) BODY;                                                    \
+    }
 #define DEFINE_ONE_ROW(NAME, FMT, ROW_FN)                                                                            \
     static void NAME(const float *x, int64_t K, const uint8_t *q, int64_t N, float *y) {                             \
         const int64_t row_bytes = row_bytes_of(FMT, K);                                                              \
-        _Pragma("omp parallel for schedule(static)") for (int64_t n = 0; n < N; n++)                                 \
-            y[n] = ROW_FN(x, K, q + n * row_bytes);                                                                  \
+        ONE_ROW_LOOP(N, N * row_bytes, y[n] = ROW_FN(x, K, q + n * row_bytes))                                       \
     }
 DEFINE_ONE_ROW(one_row_q4_k, Q4_K, row_q4_k)
 DEFINE_ONE_ROW(one_row_q5_k, Q5_K, row_q5_k)
@@ -696,8 +707,7 @@ DEFINE_ONE_ROW(one_row_q6_k, Q6_K, row_q6_k)
 DEFINE_ONE_ROW(one_row_q5_0, Q5_0, row_q5_0)
 
 static void one_row_int8(const float *x, int64_t K, const int8_t *q, const uint16_t *scale, int64_t N, float *y) {
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) y[n] = row_int8(x, K, q + n * K, scale + n * (K / 32));
+    ONE_ROW_LOOP(N, N * K, y[n] = row_int8(x, K, q + n * K, scale + n * (K / 32)))
 }
 #endif
 

@@ -19,9 +19,14 @@
    takes a loop per format instead (the section "one row of x"). Built at first use with the machine's C compiler
    and -march=native: AVX-512, AVX2 + FMA + F16C, or plain C. */
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else /* built without OpenMP: one thread */
+static int omp_get_num_threads(void) { return 1; }
+static int omp_get_thread_num(void) { return 0; }
+#endif
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif

@@ -30,7 +30,7 @@ import torch
 from accessory.errors import ConfigError, RanksDisagree
 from accessory.generation.prefix import RetainedRows, plan_reuse, waves
 from accessory.generation.scheduler import Event, Follower, Plan, Request, Scheduler
-from accessory.parallel.watchdog import announce_failure
+from accessory.parallel.watchdog import announce_failure, await_verdict_on_silent_ranks
 from accessory.model.components import Segment, decode_mask
 from accessory.model.vision import image_key
 
@@ -229,6 +229,7 @@ class Engine:
         try:
             return self.ctx.sum_in_step(header)
         except TimeoutError:
+            await_verdict_on_silent_ranks()
             self._disagree(f"rank {self.ctx.rank} waited {self.ctx.timeout_s:g} s for the other ranks at "
                            f"{_where(place)}")
 

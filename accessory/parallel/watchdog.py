@@ -155,6 +155,15 @@ def announce_failure(message: str) -> None:
             log.warning("could not tell the other ranks of this failure: %s", e)
 
 
+def await_verdict_on_silent_ranks() -> None:
+    """For a rank that waited in vain for the others: if some of them are silent (frozen or lost, not merely
+    elsewhere), the watchdog is about to end this rank, naming them and killing a frozen one on this machine; wait
+    for it rather than leave first (a stopped process would outlive this rank). Returns if none are silent."""
+    watchdog = _active
+    if watchdog is not None and watchdog.silent_ranks(2 * watchdog.interval_s):
+        time.sleep(watchdog.timeout_s + 2 * watchdog.interval_s)  # the watchdog exits this process meanwhile
+
+
 def stop_watchdog() -> None:
     global _active
     if _active is not None:

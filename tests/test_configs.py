@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -134,10 +135,53 @@ def test_config_for_the_demos(tmp_path):
     ("config: other.yaml\n", r"run.yaml: 'config': a config file cannot name another one"),
     ("- max_batch_size: 8\n", r"--config .*run.yaml: expected a mapping of flag names to values .*found a list"),
     ("max_batch_size: [8\n", r"--config .*run.yaml: not valid YAML"),
+    # a value or key is quoted clipped, whatever its size or depth
+    ("max_batch_size: " + "9" * 100_000 + "x\n", r"run.yaml: max_batch_size: must be a positive integer, got 9{100}"
+                                               r"9*\.\.\. \(100[0-9]{3} characters\)$"),
+    ("max_batch_size: [" + "[" * 10 + "1" + "]" * 10 + "]\n", r"got \[\[\[\[\.\.\.\]\]\]\]$"),
+    ("? " + "x" * 100_000 + "\n: 1\n", r"run.yaml: unknown key 'x+\.\.\.x+'; accessory generate takes"),
 ])
 def test_config_errors_name_the_file_the_key_and_the_expectation(text, expected, tmp_path, capsys):
     config = write_yaml(tmp_path / "run.yaml", text)
     assert_matches(expected, usage_error(["generate", "--prompt", "x", "--config", config], capsys))
+
+
+BOMB = "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}' if i else 'x'] * 9)}]\n" for i in range(10))
+CONFINED = """
+import argparse, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))  # a bomb that went off would fail here, not eat the machine
+from accessory.config_file import apply_config
+parser = argparse.ArgumentParser(prog="probe")
+parser.add_argument("--max_batch_size", type=int)
+apply_config(parser, sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("text, expected", [
+    # the probe's alias bomb: ten levels of nine aliases, 9**10 items once expanded (it took 33 s and 3.4 GB)
+    (BOMB.replace("l9:", "max_batch_size:"), r"run.yaml: l1: line 2: YAML aliases \(\*l0\) are not allowed"),
+    (BOMB.replace("l9: &l9", "max_batch_size:").replace("l0:", "max-batch-size:"),
+     r"run.yaml: l1: line 2: YAML aliases \(\*max-batch-size\)|run.yaml: l1: line 2: YAML aliases \(\*l0\)"),
+    ("base: &b 1\nmax_batch_size: *b\n", r"run.yaml: max_batch_size: line 2: YAML aliases \(\*b\) are not allowed"),
+    ("max_batch_size: " + "[" * 100_000 + "]" * 100_000 + "\n", r"run.yaml: not valid YAML \(nested too deeply\)"),
+])
+def test_config_bombs_are_refused_by_file_and_key_in_short_messages(text, expected, tmp_path):
+    """A YAML alias repeats a node without copying it: ten nested levels of nine made a value that converting or
+    quoting in an error expanded to billions of items. Aliases are refused as the file is parsed, nesting too deep
+    for the parser is a usage error, and an error quotes at most a few hundred characters of any value. Run with
+    1 GiB of address space, so that a bomb that goes off fails instead of filling the machine."""
+    config = write_yaml(tmp_path / "run.yaml", text)
+    result = subprocess.run([sys.executable, "-c", CONFINED, str(config)], capture_output=True, text=True,
+                            cwd=REPO, timeout=120)
+    error = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and error.startswith("probe: error: "), result.stderr[-2000:]
+    assert_matches(expected, error)
+    assert len(error) < 700
+
+
+def test_config_larger_than_a_megabyte_is_refused_unread(tmp_path, capsys):
+    config = write_yaml(tmp_path / "run.yaml", "# " + "x" * (1 << 20) + "\nmax_batch_size: 8\n")
+    assert_matches(r"run.yaml: over 1048576 bytes", usage_error(["serve", "--config", config], capsys))
 
 
 def test_config_that_is_neither_a_file_nor_a_preset(capsys):

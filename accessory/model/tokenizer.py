@@ -6,22 +6,18 @@ chat template that an HF `tokenizer_config.json` (or `chat_template.jinja`) besi
 """
 from __future__ import annotations
 
-import json
 import re
-import threading
-from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Union
 
 import jinja2
-import jinja2.ext
-import jinja2.sandbox
 import sentencepiece
 import tokenizers
 
 from accessory.errors import TokenizerError
 from accessory.jsonfile import read_json_object
+from accessory.model.template_sandbox import TEMPLATE_CHARS, template_environment
 
 # When a folder holds both, tokenizer.json wins: HF repos that ship both (Llama-2, Mistral) treat tokenizer.json as
 # the complete tokenizer (it carries the added chat tokens and the BOS post-processor; transformers loads it too),
@@ -32,7 +28,6 @@ IMAGE_PLACEHOLDER = "<image>"  # where a prompt's image goes (HF LLaVA's and LLa
 SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
 
 PathLike = Union[str, Path]
-TEMPLATE_CHARS = 100_000  # what a chat template may write per message beyond its content (real ones: < 1,000)
 
 
 def find_tokenizer(folders: list[PathLike]) -> Optional[Path]:
@@ -95,10 +90,12 @@ class _HFTokenizers:
         self.added = set(self.tk.get_added_tokens_decoder())
 
     def encode(self, s: str, add_special_tokens: bool = False) -> list[int]:
-        return self.tk.encode(s, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets go of the GIL while it works (encode holds it: seconds for a long text, during which
+        # a server's event loop, in another thread, could not answer)
+        return self.tk.encode_batch([s], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_literal(self, s: str) -> list[int]:
-        return self._literal.encode(s, add_special_tokens=False).ids
+        return self._literal.encode_batch([s], add_special_tokens=False)[0].ids
 
     @cached_property
     def _literal(self) -> tokenizers.Tokenizer:
@@ -140,8 +137,8 @@ class Tokenizer:
         self.n_words: int = self._backend.n_words
         self.bos_id, self.eos_id, self._add_bos = self._special_ids(config, generation)
         self._eos_ids = frozenset([self.eos_id, *_ids(generation.get("eos_token_id"))])
-        self._chat_template = _load_chat_template(folder, config)
-        self._template_name = f"the chat template of {folder}"  # in errors: whose template it is
+        # _template_name, in errors: where the template was read (a file, or the key of tokenizer_config.json)
+        self._chat_template, self._template_name = _load_chat_template(folder, config)
 
     @classmethod
     def from_path(cls, path: PathLike) -> "Tokenizer":
@@ -319,19 +316,21 @@ class Tokenizer:
             raise TokenizerError(f"{self._config_path} has no chat_template (and there is no chat_template.jinja "
                                  f"beside it): the model has no chat template; use a plain prompt instead")
         bos_token = self._backend.token(self.bos_id) if self.bos_id is not None else None
+        # what it may write, and so the most any value it builds may hold (template_sandbox)
+        pieces, size, limit = [], 0, self.max_rendered_chars(messages) + len(str(context))
         try:
-            self._chat_template.environment.start_render()
-            pieces, size, limit = [], 0, self.max_rendered_chars(messages) + len(str(context))
-            for piece in self._chat_template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                      bos_token=bos_token, eos_token=self._backend.token(self.eos_id),
-                                                      **context):
-                size += len(piece)
-                if size > limit:
-                    raise jinja2.TemplateError(f"its output passed {limit} characters")
-                pieces.append(piece)
+            with self._chat_template.environment.rendering(limit):
+                for piece in self._chat_template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                          bos_token=bos_token, eos_token=self._backend.token(self.eos_id),
+                                                          **context):
+                    size += len(piece)
+                    if size > limit:
+                        raise jinja2.TemplateError(f"its output passed {limit} characters")
+                    pieces.append(piece)
             return "".join(pieces)
-        except (jinja2.TemplateError, RecursionError) as e:  # RecursionError: a macro that calls itself
-            raise TokenizerError(f"{self._template_name} rejected the messages: {e}") from e
+        except Exception as e:  # the template's own failure, whatever it is (a TypeError, a macro that recurses)
+            reason = str(e) if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: {e}"
+            raise TokenizerError(f"{self._template_name} rejected the messages: {_clip(reason)}") from e
 
     @staticmethod
     def max_rendered_chars(messages: list[dict]) -> int:
@@ -369,6 +368,11 @@ def _resolve(path: Path) -> Path:
     return path
 
 
+def _clip(text: str, limit: int = 500) -> str:
+    """A template's error message, which it may make as long as it likes (raise_exception)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _ids(value) -> list[int]:
     """generation_config.json's token-id fields: an int, a list of ints, or absent."""
     values = value if isinstance(value, list) else [value]
@@ -380,9 +384,10 @@ def _read_json(path: Path) -> dict:
     return read_json_object(path, TokenizerError) if path.is_file() else {}
 
 
-def _load_chat_template(folder: Path, config: dict) -> Optional[jinja2.Template]:
-    """chat_template.jinja if present (newer HF saves; it takes priority, as in transformers), else the
-    tokenizer_config.json `chat_template`: a string, or HF's [{"name", "template"}] list whose "default" is used."""
+def _load_chat_template(folder: Path, config: dict) -> tuple[Optional[jinja2.Template], str]:
+    """(the template, where it was read): chat_template.jinja if present (newer HF saves; it takes priority, as in
+    transformers), else the tokenizer_config.json `chat_template`: a string, or HF's [{"name", "template"}] list
+    whose "default" is used."""
     jinja_path, source = folder / "chat_template.jinja", folder / "tokenizer_config.json"
     template = config.get("chat_template")
     if jinja_path.is_file():
@@ -394,11 +399,12 @@ def _load_chat_template(folder: Path, config: dict) -> Optional[jinja2.Template]
                                  f"named 'default'")
         template = named["default"]
     if template is None:
-        return None
+        return None, f"{source}: no chat_template"
     if not isinstance(template, str):
         raise TokenizerError(f"{source}: chat_template must be a string or a list of {{name, template}}, got "
                              f"{type(template).__name__}")
-    return _compile_template(template, source)
+    name = f"the chat template {jinja_path}" if source == jinja_path else f"the chat_template of {source}"
+    return _compile_template(template, source), name
 
 
 def read_chat_template(path: PathLike) -> jinja2.Template:
@@ -413,57 +419,9 @@ def read_chat_template(path: PathLike) -> jinja2.Template:
 
 def _compile_template(text: str, source) -> jinja2.Template:
     try:
-        return _jinja_env().from_string(text)
+        return template_environment().from_string(text)
     except jinja2.TemplateError as e:
         raise TokenizerError(f"{source}: chat template is not a valid Jinja template: {e}") from e
-
-
-class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
-    """HF's sandbox, where `*` and `**` cannot build a value of more than TEMPLATE_CHARS items or digits from small
-    ones (`{{ 'x' * 10**10 }}`), and the `range`s of one rendering hold at most TEMPLATE_CHARS items in all, which
-    bounds its loops' time (nested `range(100000)` loops). The output's size is bounded as it is rendered
-    (apply_chat_template), which calls `start_render` first."""
-    intercepted_binops = frozenset(["*", "**"])
-
-    def __init__(self, **options):
-        super().__init__(**options)
-        self._render = threading.local()  # the server renders in several threads at once
-        self.globals["range"] = self._range
-
-    def start_render(self) -> None:
-        self._render.range_items = 0
-
-    def _range(self, *args):
-        items = range(*args)
-        self._render.range_items = getattr(self._render, "range_items", 0) + len(items)
-        if self._render.range_items > TEMPLATE_CHARS:
-            raise jinja2.sandbox.SecurityError(f"the template's ranges hold over {TEMPLATE_CHARS} items in all")
-        return items
-
-    def call_binop(self, context, operator, left, right):
-        if operator == "*":
-            for seq, times in ((left, right), (right, left)):
-                if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and len(seq) * times > TEMPLATE_CHARS:
-                    raise jinja2.sandbox.SecurityError(f"a repetition of {len(seq) * times} items is over the "
-                                                       f"template limit of {TEMPLATE_CHARS}")
-        if operator == "**" and isinstance(right, (int, float)) and right > 64 and abs(left) > 1:
-            raise jinja2.sandbox.SecurityError(f"the power {left!r} ** {right!r} is too large for a template")
-        return super().call_binop(context, operator, left, right)
-
-
-def _jinja_env() -> jinja2.Environment:
-    """The environment transformers renders chat templates in: sandboxed (templates come from the Hub), HF's
-    whitespace rules, {% break %}, and its helpers (a tojson that keeps non-ASCII, raise_exception, strftime_now)."""
-    def raise_exception(message):
-        raise jinja2.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
-    return env
 
 
 def find_tokenizer_for(folders: list[PathLike], tokenizer_path: Optional[PathLike] = None) -> Optional[Tokenizer]:

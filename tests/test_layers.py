@@ -11,7 +11,7 @@ from conftest import REPO
 # Lowest first. A module belongs to the longest prefix listed; each may import its own layer and those below.
 LAYERS = [
     ("accessory.errors", "accessory.jsonfile", "accessory.cache", "accessory.presets"),
-    ("accessory.model.tokenizer", "accessory.data"),  # text
+    ("accessory.model.tokenizer", "accessory.model.template_sandbox", "accessory.data"),  # text
     ("accessory.quant.formats",),
     ("accessory.kernels",),
     ("accessory.quant",),

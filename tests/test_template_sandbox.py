@@ -67,7 +67,8 @@ HOSTILE = {
     "str.center": "{{ 'x'.center(10**9) }}",
     "% width": "{{ '%0999999999d' % 1 }}",
     "+ doubling": "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
-    "list + doubling": "{% set ns = namespace(s=[1]) %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+    "list + doubling": "{% set ns = namespace(s=[1]) %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}"
+                       "{% endfor %}",
     "* repetition": "{{ 'x' * 10**10 }}",
     "list repetition": "{% set s = 'x' * 50000 %}{{ [s] * 50000 }}",
     "** power": "{{ 2 ** 1000000 }}",

@@ -318,11 +318,11 @@ class Tokenizer:
         bos_token = self._backend.token(self.bos_id) if self.bos_id is not None else None
         # what it may write, and so the most any value it builds may hold (template_sandbox)
         pieces, size, limit = [], 0, self.max_rendered_chars(messages) + len(str(context))
+        variables = dict(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos_token,
+                         eos_token=self._backend.token(self.eos_id), **context)
         try:
             with self._chat_template.environment.rendering(limit):
-                for piece in self._chat_template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                          bos_token=bos_token, eos_token=self._backend.token(self.eos_id),
-                                                          **context):
+                for piece in self._chat_template.generate(**variables):
                     size += len(piece)
                     if size > limit:
                         raise jinja2.TemplateError(f"its output passed {limit} characters")

@@ -1,8 +1,14 @@
-"""Where the runtime keeps what it makes once per machine: the imported default model, compiled CPU kernels."""
+"""Where the runtime keeps what it makes once per machine: the imported default model, compiled CPU kernels.
+
+What the runtime loads back from here must be what it wrote: the folders it creates are private (0700), and code
+(the compiled kernels) is loaded only from folders that `untrusted` finds no one else could have written.
+"""
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
+from typing import Optional
 
 
 def cache_dir() -> Path:
@@ -10,3 +16,35 @@ def cache_dir() -> Path:
     root = os.environ.get("ACCESSORY_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"),
                                                      "accessory")
     return Path(root)
+
+
+def cache_folder(*parts: str) -> Path:
+    """cache_dir() / parts, each folder of it created where missing as private to you (0700)."""
+    folder = cache_dir()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, exist_ok=True)
+    for part in parts:
+        folder = folder / part
+        folder.mkdir(mode=0o700, exist_ok=True)
+    return folder
+
+
+def untrusted(path: Path, mine_from: Path) -> Optional[str]:
+    """Why `path` (at or under the folder `mine_from`) could hold what another user wrote, or None if it could not:
+    `mine_from`, every folder below it down to `path`, and `path` must be yours and writable by no one else, and the
+    folder holding `mine_from` yours or root's and writable by no one else unless sticky (as /tmp is), so that no one
+    can put their own folder in its place. Links are followed."""
+    uid = os.geteuid()
+    holder = mine_from.parent.stat()
+    if holder.st_uid not in (uid, 0):
+        return f"{mine_from.parent} is owned by uid {holder.st_uid}, not by you (uid {uid}) or root"
+    if holder.st_mode & 0o022 and not holder.st_mode & stat.S_ISVTX:
+        return f"{mine_from.parent} is writable by others ({stat.filemode(holder.st_mode)})"
+    mine = [p for p in (path, *path.parents) if p == mine_from or mine_from in p.parents]
+    for part in reversed(mine):
+        status = part.stat()
+        if status.st_uid != uid:
+            return f"{part} is owned by uid {status.st_uid}, not by you (uid {uid})"
+        if status.st_mode & 0o022:
+            return f"{part} is writable by others ({stat.filemode(status.st_mode)})"
+    return None

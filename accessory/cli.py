@@ -70,8 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--shutdown-grace", type=_non_negative_float, default=30.0,
                       help="on SIGTERM, seconds to let running requests finish before cancelling them")
     http.add_argument("--max-request-bytes", type=_byte_size,
-                      help="largest request body accepted, e.g. 8MB; past it, 413 (default: 8MB for text plus "
-                      "--max-image-bytes in base64, so that one image at that limit fits: 36MB at the defaults)")
+                      help="largest request body accepted, e.g. 8MB; past it, 413 (default: 8MB; for a model that "
+                      "reads images, plus --max-image-bytes in base64, so that one image at that limit fits: 36MB at "
+                      "the defaults)")
     http.add_argument("--sse-keepalive", type=_positive_float, default=10.0, metavar="SECONDS",
                       help="a stream with nothing to send for this long sends an SSE comment, so proxies keep it "
                       "open (default: 10)")
@@ -330,20 +331,12 @@ def run_serve(args) -> None:
     images = ImageOptions(ImageLimits(args.max_image_bytes, args.max_image_pixels), args.allow_local_images,
                           args.image_transform)
     serve(lambda: load_model(args), args.host, args.port, name, args.api_key, args.template, args.max_queue,
-          args.shutdown_grace, max_request_bytes=args.max_request_bytes or request_bytes_for(args.max_image_bytes),
+          args.shutdown_grace, max_request_bytes=args.max_request_bytes,
           special_tokens_in_prompt=args.allow_special_tokens_in_prompt, keepalive_s=args.sse_keepalive,
           images=images)
 
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-TEXT_REQUEST_BYTES = 8_000_000  # a request's room for its text, beside its image
-
-
-def request_bytes_for(max_image_bytes: int) -> int:
-    """The default body limit: the text's room plus one image at the limit as base64 (4 characters per 3 bytes)."""
-    return TEXT_REQUEST_BYTES + 4 * -(-max_image_bytes // 3)
-
-
 KEEPALIVE_S = 30.0  # while the user types, how often the source rank tells the others it is still waiting
 _STILL_WAITING = ("still waiting",)
 

@@ -142,6 +142,19 @@ def test_bad_images_are_named(llava_server, bad_requests, case):
     assert error["param"] == field and error["message"].startswith(f"{field}: ") and message in error["message"]
 
 
+def test_the_body_limit_has_room_for_one_image(llava_server):
+    """By default 8MB for text, plus one image at --max-image-bytes (here 200,000) as base64: 266,668 characters
+    (a text model's limit is 8MB alone: test_serve_refusals.py)."""
+    from test_serve_refusals import declared
+
+    status, body = declared(llava_server, 8_266_669)
+    assert status == 413 and "over 8266668 bytes" in body["error"]["message"], body
+    assert "one --max-image-bytes image" in body["error"]["message"]
+    answer = post(llava_server, "/v1/chat/completions", {"model": LLAVA, "messages": [
+        {"role": "user", "content": "x" * 8_100_000}]})  # past 8MB, within the limit: refused for its length
+    assert answer.status_code == 400 and answer.json()["error"]["code"] == "context_length_exceeded", answer.text
+
+
 def test_local_images_are_refused_without_the_flag(llava, photo):
     """The server above allows local files; the default (ImageOptions()) refuses them, naming the flag."""
     from accessory.serve.api import APIError, ImageOptions, ImageRef, image_pixels

@@ -8,6 +8,7 @@ missing or wrong API key, 404 for an unknown model, 429 when the queue is full, 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import functools
 import hashlib
 import hmac
@@ -16,7 +17,7 @@ import re
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Annotated, Literal, Optional, Sequence, Union
+from typing import Annotated, Callable, Literal, Optional, Sequence, Union
 
 import torch
 from fastapi import FastAPI, Request
@@ -32,7 +33,7 @@ from accessory.generation.constraints import Constraint, ConstraintError
 from accessory.generation.sampling import LOGIT_BIAS_RANGE, MAX_LOGPROBS, PENALTY_RANGE, REPETITION_PENALTY_RANGE
 from accessory.generation.scheduler import Event
 from accessory.model.tokenizer import IMAGE_PLACEHOLDER
-from accessory.serve.engine import GenerationService, Handle, QueueFull, ServiceClosed
+from accessory.serve.engine import FieldError, GenerationService, Handle, QueueFull, ServiceClosed
 
 DISCONNECT_POLL_S = 1.0  # how often a request with no new text checks whether its client is still there
 SSE_KEEPALIVE_S = 10.0  # a stream with nothing to say for this long sends a comment (proxies cut idle streams)
@@ -183,18 +184,20 @@ class ServiceSlot:
 
 
 def create_app(service: Union[GenerationService, ServiceSlot, None], model_name: str, api_key: Optional[str] = None,
-               template: Optional[str] = None, max_request_bytes: int = 8_000_000,
+               template: Optional[str] = None, max_request_bytes: Optional[int] = None,
                special_tokens_in_prompt: bool = False, keepalive_s: float = SSE_KEEPALIVE_S,
                images: ImageOptions = ImageOptions()) -> FastAPI:
     """The app for `service` (or the ServiceSlot it will be put in once loaded). `template`: a LLaMA2-Accessory
-    conversation template for chat (default: the model's own chat template). A body over `max_request_bytes` is
-    refused with 413 before it is read whole. Special tokens' text in messages is always plain text; in a
+    conversation template for chat (default: the model's own chat template). A body over `max_request_bytes` (default:
+    8 MB, plus one image at `images`' limit for a model that reads them) is refused with 413 before it is read whole;
+    one that is not UTF-8 with 400. Special tokens' text in messages is always plain text; in a
     completion's prompt too, unless `special_tokens_in_prompt`. A stream silent for `keepalive_s` seconds sends an
     SSE comment. A vision-language model takes one image per chat request, read as `images` says. /health and
     /metrics need no API key."""
     app = FastAPI(title="accessory", docs_url=None, redoc_url=None)
-    app.add_middleware(BodyLimit, limit=max_request_bytes)
     slot = service if isinstance(service, ServiceSlot) else ServiceSlot(service)
+    app.add_middleware(Utf8Body)
+    app.add_middleware(BodyLimit, limit=lambda: body_limit(max_request_bytes, slot, images))  # outside: first
     app.state.keepalive_s = keepalive_s
 
     @app.middleware("http")
@@ -314,8 +317,8 @@ def create_app(service: Union[GenerationService, ServiceSlot, None], model_name:
             raise APIError(400, "give either prompt or messages", param="prompt")
         if body.prompt is not None:
             check_text(body.prompt, "prompt")
-            tokens = await run_in_threadpool(tokenizer.encode, body.prompt, body.add_special_tokens, False,
-                                             special=special_tokens_in_prompt)
+            tokens = await submit_free(lambda: service.tokenize(body.prompt, body.add_special_tokens,
+                                                                special_tokens_in_prompt), prompt_field="prompt")
         else:
             messages, image = chat_messages(body.messages, service.model.llma.image_tokens > 0)
 
@@ -323,8 +326,10 @@ def create_app(service: Union[GenerationService, ServiceSlot, None], model_name:
                 pixels = image and image_pixels(service.model, image, images)
                 return service.encode(render_chat(tokenizer, messages, template)[0], True, pixels is not None)
 
-            tokens = await submit_free(count)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": service.columns}
+            tokens = await submit_free(count, prompt_field="messages")
+        # a JSONResponse, not a dict: FastAPI's encoder would walk the tokens in Python on the event loop (a second
+        # for a million)
+        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": service.columns})
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
@@ -338,7 +343,8 @@ def create_app(service: Union[GenerationService, ServiceSlot, None], model_name:
         """`make(loop)` queues the request, in a worker thread (templates and tokenizing take time: the event loop
         keeps answering meanwhile); the service's refusals become API errors."""
         loop = asyncio.get_running_loop()
-        return await submit_free(lambda: make(loop), constraint_field(body))
+        prompt_field = "prompt" if isinstance(body, CompletionRequest) else "messages"
+        return await submit_free(lambda: make(loop), constraint_field(body), prompt_field)
 
     return app
 
@@ -358,19 +364,24 @@ def head(model_name: str, service: GenerationService, handle: Handle, request: R
             "system_fingerprint": system_fingerprint(service, model_name)}
 
 
-async def submit_free(work, constraint_field: Optional[str] = None):
-    """`work()` in a worker thread, its refusals as API errors (a constraint's naming `constraint_field`)."""
+async def submit_free(work, constraint_field: Optional[str] = None, prompt_field: Optional[str] = None):
+    """`work()` in a worker thread, its refusals as API errors: a constraint's naming `constraint_field`, a prompt
+    too long for the window `prompt_field`, a FieldError its field."""
     try:
         return await run_in_threadpool(work)
     except ConstraintError as e:
-        raise APIError(400, str(e), param=constraint_field)
+        raise APIError(400, f"{constraint_field}: {e}", param=constraint_field)
+    except FieldError as e:
+        raise APIError(400, str(e), param=e.field)
     except QueueFull as e:
         raise APIError(429, str(e), code="rate_limit_exceeded", kind="rate_limit_error",
                        headers={"Retry-After": str(RETRY_AFTER_S)})
     except ServiceClosed as e:
         raise APIError(503, str(e), kind="server_error")
     except ValueError as e:  # TokenizerError is one
-        raise APIError(400, str(e), code="context_length_exceeded" if "max_seq_len" in str(e) else None)
+        too_long = "max_seq_len" in str(e)
+        raise APIError(400, str(e), param=prompt_field if too_long else None,
+                       code="context_length_exceeded" if too_long else None)
 
 
 def error_response(error: APIError) -> JSONResponse:
@@ -381,10 +392,16 @@ def error_body(error: APIError) -> dict:
     return {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.code}}
 
 
-def generation_failed(final: Event) -> APIError:
-    """A request that ended with finish_reason "error" (the others, and the server, went on)."""
+def generation_failed(final: Event, constraint_field: Optional[str]) -> APIError:
+    """A request that ended with finish_reason "error" (the others, and the server, went on): a 400 naming the
+    field when the grammar engine refused its constraint while decoding, else a 500."""
+    if final.error.startswith(REFUSED_CONSTRAINT):  # its message says after how many tokens
+        return APIError(400, f"{constraint_field}: {final.error[len(REFUSED_CONSTRAINT):]}", param=constraint_field)
     return APIError(500, f"generation failed after {final.completion_tokens} token(s): {final.error}",
                     kind="server_error")
+
+
+REFUSED_CONSTRAINT = f"{ConstraintError.__name__}: "  # how the scheduler words a row's ConstraintError
 
 
 def model_card(name: str, service: GenerationService) -> dict:
@@ -601,19 +618,37 @@ def sampling_of(body: SamplingFields, max_tokens: Optional[int], logprobs: Optio
     return chosen if max_tokens is None else {**chosen, "max_gen_len": max_tokens}
 
 
-class BodyLimit:
-    """Refuse request bodies over `limit` bytes with 413: by their Content-Length before reading, or, for a body
-    sent without one, as soon as the bytes read pass the limit."""
+TEXT_REQUEST_BYTES = 8_000_000  # the body limit's room for text (beside one image, for a model that reads them)
 
-    def __init__(self, app, limit: int):
+
+def body_limit(given: Optional[int], slot: ServiceSlot, images: ImageOptions) -> tuple[int, str]:
+    """The body limit that applies now, and its name for a 413: `given` (--max-request-bytes); else 8 MB, plus one
+    image at the image limit as base64 (4 characters per 3 bytes) for a model that reads images (while the model
+    loads, when it is not known yet, the text model's)."""
+    if given is not None:
+        return given, "the server's --max-request-bytes"
+    service = slot.service
+    if service is None or not service.model.llma.image_tokens:
+        return TEXT_REQUEST_BYTES, "the server's --max-request-bytes, by default 8MB for a model that reads text"
+    return (TEXT_REQUEST_BYTES + 4 * -(-images.limits.max_bytes // 3),
+            "the server's --max-request-bytes, by default 8MB for text plus one --max-image-bytes image as base64 "
+            "for a model that reads images")
+
+
+class BodyLimit:
+    """Refuse request bodies over `limit()[0]` bytes with 413 naming the limit (`limit()[1]`): by their
+    Content-Length before reading, or, for a body sent without one, as soon as the bytes read pass the limit."""
+
+    def __init__(self, app, limit: Callable[[], tuple[int, str]]):
         self.app, self.limit = app, limit
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit, name = self.limit()
         declared = dict(scope["headers"]).get(b"content-length", b"0")
-        message = f"the request body is over {self.limit} bytes (the server's --max-request-bytes)"
-        if not declared.isdigit() or int(declared) > self.limit:
+        message = f"the request body is over {limit} bytes ({name})"
+        if not declared.isdigit() or int(declared) > limit:
             response = error_response(APIError(413, message, code="request_too_large"))
             return await response(scope, receive, send)
         read = 0
@@ -622,11 +657,40 @@ class BodyLimit:
             nonlocal read
             received = await receive()
             read += len(received.get("body", b""))
-            if read > self.limit:  # FastAPI passes an HTTPException from reading the body on to the handlers
+            if read > limit:  # FastAPI passes an HTTPException from reading the body on to the handlers
                 raise HTTPException(413, message)
             return received
 
         await self.app(scope, limited_receive, send)
+
+
+class Utf8Body:
+    """Refuse a request body that is not UTF-8 with 400, as it is read. Python's json would read UTF-16 and UTF-32
+    too (it guesses the encoding from the NUL bytes): JSON in UTF-8 holds no NUL byte."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        decoder, read = codecs.getincrementaldecoder("utf-8")(), 0
+
+        async def checked_receive():
+            nonlocal read
+            received = await receive()
+            chunk = received.get("body", b"")
+            if b"\0" in chunk:
+                raise HTTPException(400, f"the request body is not UTF-8: a NUL byte at byte {read + chunk.index(0)} "
+                                         f"(UTF-16 or UTF-32?); send JSON as UTF-8")
+            try:
+                decoder.decode(chunk, final=not received.get("more_body", False))
+            except UnicodeDecodeError as e:
+                raise HTTPException(400, f"the request body is not UTF-8: {e.reason} at byte {read + e.start}")
+            read += len(chunk)
+            return received
+
+        await self.app(scope, checked_receive, send)
 
 
 # ---- responses ---------------------------------------------------------------------------------------------------
@@ -718,8 +782,7 @@ async def respond(shape: Chat, body: SamplingFields, handle: Handle, request: Re
     head = {**head, "id": shape.prefix + head["id"]}
     wants_logprobs = body.logprobs is not None and body.logprobs is not False  # completions' 0 asks for them
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(stream(shape, head, handle, request, include_usage, wants_logprobs, keepalive_s),
+        return StreamingResponse(stream(shape, head, handle, request, body, wants_logprobs, keepalive_s),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     finals: dict[int, Event] = {}
     logprobs: dict[int, list] = {i: [] for i in range(len(handle.ids))}
@@ -738,13 +801,13 @@ async def respond(shape: Chat, body: SamplingFields, handle: Handle, request: Re
         return JSONResponse({}, status_code=499)  # the client is gone; nobody reads this
     failed = [final for final in finals.values() if final.finish_reason == "error"]
     if failed:
-        return error_response(generation_failed(failed[0]))
+        return error_response(generation_failed(failed[0], constraint_field(body)))
     choices = [shape.choice(i, finals[i].text, finals[i].finish_reason,
                             logprobs[i] if wants_logprobs else None) for i in sorted(finals)]
     return {**head, "object": shape.object, "choices": choices, "usage": usage(handle, finals.values())}
 
 
-async def stream(shape: Chat, head: dict, handle: Handle, request: Request, include_usage: bool,
+async def stream(shape: Chat, head: dict, handle: Handle, request: Request, body: SamplingFields,
                  wants_logprobs: bool, keepalive_s: float):
     def sse(choices: list, **extra) -> str:
         return f"data: {json.dumps({**head, 'object': shape.chunk_object, 'choices': choices, **extra})}\n\n"
@@ -766,13 +829,13 @@ async def stream(shape: Chat, head: dict, handle: Handle, request: Request, incl
                 yield sse([shape.chunk_choice(index, event.delta, None, entries if wants_logprobs else None,
                                               first)])
             if event.finish_reason == "error":  # as OpenAI streams an error: an error object, then the end
-                yield f"data: {json.dumps(error_body(generation_failed(event)))}\n\n"
+                yield f"data: {json.dumps(error_body(generation_failed(event, constraint_field(body))))}\n\n"
                 yield "data: [DONE]\n\n"
                 return
             if event.end_of_content:
                 finals.append(event)
                 yield sse([shape.chunk_choice(index, "", event.finish_reason, None)])
-        if include_usage:
+        if body.stream_options is not None and body.stream_options.include_usage:
             yield sse([], usage=usage(handle, finals))
         yield "data: [DONE]\n\n"
     finally:

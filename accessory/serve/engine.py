@@ -10,9 +10,13 @@ finish for up to `grace_s` seconds, cancels the rest, and ends `run()` on every 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import functools
 import itertools
 import logging
 import queue
+import re
 import secrets
 import signal
 import threading
@@ -31,6 +35,7 @@ log = logging.getLogger(__name__)
 SAMPLING_KEYS = ("max_gen_len", "temperature", "top_p", "top_k", "repetition_penalty", "min_p", "presence_penalty",
                  "frequency_penalty", "logit_bias", "logprobs", "prompt_logprobs")
 STALL_S = 3.0  # a rank silent this long makes /health say 503 (it ends every rank at --rank-timeout)
+TRIM_AFTER_CHARS = 100_000  # tokenizing a text this long leaves megabytes in the allocator's free lists
 
 
 class QueueFull(Exception):
@@ -39,6 +44,14 @@ class QueueFull(Exception):
 
 class ServiceClosed(Exception):
     """The service is shutting down and takes no new requests (HTTP 503)."""
+
+
+class FieldError(ValueError):
+    """A request's value that cannot be used; `field` names it (the HTTP API's `param`)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
 
 
 class Handle:
@@ -54,11 +67,13 @@ class Handle:
         self._events = asyncio.Queue() if loop is not None else queue.Queue()
         self._open = count  # completions not yet ended
         self.finished = False
+        self.completion_tokens = dict.fromkeys(self.ids, 0)  # what each completion's events have counted so far
 
     def index(self, event: Event) -> int:
         return self._index[event.id]
 
     def deliver(self, event: Event) -> None:  # the engine's thread
+        self.completion_tokens[event.id] = event.completion_tokens
         if self._loop is None:
             self._events.put(event)
             return
@@ -131,11 +146,23 @@ class GenerationService:
     def encode(self, prompt: str, special: bool = True, image: bool = False) -> list[int]:
         """The prompt's tokens (with BOS, and an image's tokens if `image`); ValueError if it surely cannot fit,
         before spending time on it."""
+        self.check_fits(prompt)
+        with _memory_returned(len(prompt)):
+            return self.model.encode_prompt(prompt, image, special)
+
+    def tokenize(self, text: str, bos: bool = True, special: bool = True) -> list[int]:
+        """`text`'s tokens (BOS first if `bos`), held to the same limit as a prompt's."""
+        self.check_fits(text)
+        with _memory_returned(len(text)):
+            return self.model.tokenizer.encode(text, bos, False, special=special)
+
+    def check_fits(self, prompt: str) -> None:
+        """ValueError for a text of more characters than the window's tokens can hold (checked before tokenizing
+        it: a text the size of the body limit takes seconds and hundreds of megabytes to tokenize)."""
         per_token = self.model.tokenizer.max_token_chars
         if len(prompt) > self.columns * per_token:
             raise ValueError(f"the prompt has {len(prompt)} characters, more than {self.columns} tokens can hold "
                              f"(one holds at most {per_token}): this model's max_seq_len is {self.columns}")
-        return self.model.encode_prompt(prompt, image, special)
 
     def submit_chat(self, messages: list[dict], sampling: Optional[dict] = None, template: Optional[str] = None,
                     stop: Sequence[str] = (), loop: Optional[asyncio.AbstractEventLoop] = None,
@@ -219,7 +246,8 @@ class GenerationService:
         for key, value in bias.items():
             token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
             if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
-                raise ValueError(f"logit_bias: {key!r} is not a token id of this model (0 to {self.vocab_size - 1})")
+                raise FieldError("logit_bias", f"{key!r} is not a token id of this model (0 to "
+                                               f"{self.vocab_size - 1})")
             pairs.append((token, value))
         return tuple(sorted(pairs))
 
@@ -248,13 +276,15 @@ class GenerationService:
             self.scheduler.cancel(request_id)
 
     def _fail_all(self, reason: str) -> None:
-        """A rank is lost and every rank is about to exit: end each open request with an error event."""
+        """A rank is lost and every rank is about to exit: end each open request with an error event (the reason
+        without the file paths a collective's error names: the log has them)."""
+        reason = without_paths(reason)
         with self._lock:
             self.failed, self.accepting = reason, False
             handles, self._handles = list(self._handles.values()), {}
         for handle in set(handles):
             for sample_id in handle.ids:
-                handle.deliver(Event(sample_id, "", "", True, "error", 0, reason))
+                handle.deliver(Event(sample_id, "", "", True, "error", handle.completion_tokens[sample_id], reason))
 
     def health(self) -> tuple[bool, dict]:
         """(healthy, what /health says): not while draining for shutdown, nor while a rank is silent for STALL_S
@@ -332,3 +362,32 @@ class GenerationService:
 
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, on_signal if self.ctx.is_source else signal.SIG_IGN)
+
+
+SOURCE_LOCATION = re.compile(r"\[[^\]\s]*/[^\]\s]*\]\s*")  # "[/pytorch/third_party/gloo/.../pair.cc:534] "
+FILE_PATH = re.compile(r"(?<![\w/.])/(?:[^\s/:'\"]+/)+[^\s:'\"]*(?::\d+)?")  # "/home/me/x.py:12"
+
+
+def without_paths(message: str) -> str:
+    """`message` for clients: without the source files and paths of this machine that errors name."""
+    return FILE_PATH.sub("<path>", SOURCE_LOCATION.sub("", message))
+
+
+@contextlib.contextmanager
+def _memory_returned(chars: int):
+    """After tokenizing a long text, hand the memory it freed back to the system: glibc keeps what a worker
+    thread frees in that thread's arena (a 7M-character prompt left 660 MB of it)."""
+    try:
+        yield
+    finally:
+        if chars > TRIM_AFTER_CHARS and _malloc_trim() is not None:
+            _malloc_trim()(0)
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    """glibc's malloc_trim, or None with another C library."""
+    try:
+        return getattr(ctypes.CDLL("libc.so.6"), "malloc_trim", None)
+    except OSError:
+        return None

@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 def serve(load: Callable[[], object], host: str = "127.0.0.1", port: int = 8000, model_name: str = "default",
           api_key: Optional[str] = None, template: Optional[str] = None, max_queue: int = 64,
-          grace_s: float = 30.0, max_request_bytes: int = 8_000_000, special_tokens_in_prompt: bool = False,
+          grace_s: float = 30.0, max_request_bytes: Optional[int] = None, special_tokens_in_prompt: bool = False,
           keepalive_s: float = 10.0, images=None) -> None:
     """Load the model with `load()` (on every rank) and serve it until SIGTERM or SIGINT (then finish what runs,
     for up to grace_s, and return on every rank). `images`: how chat messages' images are read (an

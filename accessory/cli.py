@@ -605,6 +605,11 @@ def run(handler, args) -> None:
         _leave_without_barrier()
         sys.exit(130)
     except BaseException:
+        from accessory.parallel.watchdog import await_verdict_on_silent_ranks
+
+        # a collective that failed because a peer froze (killed meanwhile by another rank's watchdog): this rank's
+        # watchdog is about to end it too, naming that rank, with EXIT_RANK_LOST; a traceback would come first
+        await_verdict_on_silent_ranks()
         _leave_without_barrier()
         raise
     shutdown_distributed()

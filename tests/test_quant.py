@@ -213,6 +213,31 @@ def test_quantized_weights_take_a_fraction_of_float32(models):
     assert sizes["float32"] < 134_515_008 * 4 + embedding // 10  # 135M parameters, the embedding counted once
 
 
+def huge_page_kib_around(address: int) -> int:
+    """AnonHugePages of this process's mapping that holds `address` (from /proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def test_large_weights_sit_on_huge_pages(models):
+    """Where Linux gives transparent huge pages to memory that asks (THP "madvise" or "always"), loading moved the
+    large weights there: the float embedding (113 MB) and the kept Q8_0 one (30 MB)."""
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("this system gives no transparent huge pages")
+    for name in ("float32", "int4-kept"):
+        embedding = models[name].llma.tok_embeddings
+        tensor = next(t for t in [*embedding.parameters(), *embedding.buffers()] if t.numel() > 2 ** 22)
+        assert huge_page_kib_around(tensor.data_ptr() + tensor.untyped_storage().nbytes() // 2) >= 4096, name
+
+
 def test_perplexity_int8_within_1_percent_int4_within_5_percent(models):
     """On a fixed text: int8 and int4 (requantized from the float weights) against float32. The float weights are
     the GGUF's Q4_1 values, so int4 requantization is close to lossless here, and the kept bits are exact."""

@@ -1,7 +1,10 @@
-"""Whether a model built from a config can fit, checked on the meta device before any memory is allocated."""
+"""Memory for the weights: whether a model built from a config can fit, checked on the meta device before any memory
+is allocated; and, once loaded, where the CPU's weights live (huge pages, memory freed while loading returned)."""
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -73,3 +76,43 @@ def _cgroup_room() -> Optional[int]:
         return int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text())
     except (OSError, ValueError):
         return None
+
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25  # linux/mman.h
+
+
+def back_with_huge_pages(model: nn.Module, min_bytes: int = 4 * HUGE_PAGE) -> int:
+    """Ask Linux to back the model's large CPU tensors (`min_bytes` or more) with 2 MiB pages; returns the bytes
+    moved. A decode step streams every weight once, and on 4 KiB pages the TLB misses on a large one cost: Gemma 3
+    270M's 178 MB head on huge pages decodes about 6% faster here (benchmarks/README.md). Transparent huge pages are
+    usually on only for memory that asks ("madvise"); MADV_COLLAPSE (Linux 6.1) moves what is already written. Best
+    effort: nothing happens where either is missing."""
+    if sys.platform != "linux":
+        return 0
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    moved, seen = 0, set()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        storage = tensor.untyped_storage()
+        if tensor.device.type != "cpu" or storage.nbytes() < min_bytes or storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        start = -(-storage.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # whole huge pages inside the storage
+        end = (storage.data_ptr() + storage.nbytes()) // HUGE_PAGE * HUGE_PAGE
+        if end > start and madvise(start, end - start, _MADV_HUGEPAGE) == 0 \
+                and madvise(start, end - start, _MADV_COLLAPSE) == 0:
+            moved += end - start
+    return moved
+
+
+def return_freed_memory() -> None:
+    """Hand the heap memory that loading freed (float slices quantized, pieces read) back to the system: glibc keeps
+    it otherwise, and a quantized model would hold tens of MB more than its tensors for nothing."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass

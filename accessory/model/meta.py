@@ -2,7 +2,6 @@
 `stream_generate`) on a tensor-parallel model."""
 from __future__ import annotations
 
-import ctypes
 import logging
 import secrets
 from pathlib import Path
@@ -20,7 +19,7 @@ from accessory.generation.engine import Engine, EngineSettings
 from accessory.generation.sampling import SamplingParams
 from accessory.generation.scheduler import Event, Request, fit_prompt, row_seeds
 from accessory.model.LLM import model_classes
-from accessory.model.memory import check_fits
+from accessory.model.memory import back_with_huge_pages, check_fits, return_freed_memory
 from accessory.model.tokenizer import IMAGE_PLACEHOLDER, Tokenizer, find_tokenizer
 from accessory.model.vision import ImagePlacement, optional_pixels
 from accessory.parallel import ParallelContext, fairscale_model_parallel_group, init_distributed
@@ -125,7 +124,9 @@ class MetaModel(nn.Module):
         except Exception as e:  # every rank must hear of it, or the others would wait in the next collective
             error = e
         ctx.raise_if_any_failed(error)
-        _return_freed_memory()
+        return_freed_memory()
+        if device.type == "cpu":
+            log.debug("%d MiB of weights on huge pages", back_with_huge_pages(llma) >> 20)
         log.info("loaded %s (%s%s) at %d model-parallel rank(s), %s on %s", folders[-1], spec.llama_type,
                  f", {_describe(formats)}" if formats else "", ctx.world_size, dtype, device)
         return cls(llma.eval(), tokenizer, spec.llama_type, settings)
@@ -417,15 +418,6 @@ def quantized_formats(llma, spec: CheckpointSpec, quant, source: Path) -> dict[s
                               f"{spec.quantization.quant!r} or without quant (requantizing is not supported)")
         return spec.quantization.tensors
     return llma.quantization_plan(wanted) if wanted else {}
-
-
-def _return_freed_memory() -> None:
-    """Hand the heap memory that loading freed (float slices quantized, pieces read) back to the system: glibc keeps
-    it otherwise, and a quantized model would hold tens of MB more than its tensors for nothing."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
 
 
 def _describe(formats: dict[str, str]) -> str:

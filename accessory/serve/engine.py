@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import functools
 import itertools
 import logging
 import queue
@@ -28,6 +26,7 @@ from accessory.generation.chat import render_chat
 from accessory.generation.constraints import Constraint
 from accessory.generation.sampling import SamplingParams
 from accessory.generation.scheduler import Event, Request, row_seeds
+from accessory.model.memory import return_freed_memory
 from accessory.parallel.watchdog import active_watchdog
 from accessory.serve.metrics import Timing
 
@@ -380,14 +379,5 @@ def _memory_returned(chars: int):
     try:
         yield
     finally:
-        if chars > TRIM_AFTER_CHARS and _malloc_trim() is not None:
-            _malloc_trim()(0)
-
-
-@functools.lru_cache(maxsize=1)
-def _malloc_trim():
-    """glibc's malloc_trim, or None with another C library."""
-    try:
-        return getattr(ctypes.CDLL("libc.so.6"), "malloc_trim", None)
-    except OSError:
-        return None
+        if chars > TRIM_AFTER_CHARS:
+            return_freed_memory()

@@ -198,9 +198,10 @@ def _sampling_kwargs(args) -> dict:
                 repetition_penalty=args.repetition_penalty, seed=args.seed)
 
 
-def load_model(args, mp_group=None):
+def load_model(args, mp_group=None, warmup: bool = False):
     """Every rank loads the model (onto `mp_group`, default the world); with no --pretrained_path, the built-in one
-    (imported once per node)."""
+    (imported once per node). `warmup`: with --compile, compile every graph before returning (what serves many
+    requests: no request then waits on compilation)."""
     import torch.distributed as dist
 
     from accessory.checkpoint.default_model import ensure_default_model
@@ -219,7 +220,7 @@ def load_model(args, mp_group=None):
                                       dtype=args.dtype, device=args.device, mp_group=mp_group, quant=args.quant,
                                       max_batch_size=args.max_batch_size, compile=args.compile,
                                       prefix_cache=args.prefix_cache, prefix_cache_bytes=args.prefix_cache_bytes,
-                                      rank_timeout=getattr(args, "rank_timeout", 60.0))
+                                      rank_timeout=getattr(args, "rank_timeout", 60.0), warmup=warmup)
     if args.chat_template:
         model.tokenizer.set_chat_template(args.chat_template)
         model.stop_ids = model.tokenizer.chat_stop_ids  # EOS and the new template's end-of-turn token
@@ -408,7 +409,7 @@ def run_batch(args) -> None:
     args.max_batch_size = args.batch_size or args.max_batch_size
     options = BatchOptions(Path(args.input), Path(args.output), args.mp, args.max_batch_size, args.template,
                            args.max_seq_len, args.image_transform)
-    run(options, _sampling_kwargs(args), lambda group: load_model(args, group))
+    run(options, _sampling_kwargs(args), lambda group: load_model(args, group, warmup=True))
 
 
 def _add_weights_verb(verbs):

@@ -29,6 +29,12 @@ It reports the prompt tokens (the server's `usage`), TTFT on and off, their rati
 was the same with the cache off (greedy output must not change).
 
     python benchmarks/serve.py --prefix-cache [--turns 10] [--shared-requests 16] [--system-tokens 500]
+
+`--startup` measures instead, for the server as `--serve-args` says and again with `--compile` added: the seconds
+from starting the process to `/health` ok, then the first request alone, the first 4 together, and the same two
+again (with --compile every graph is compiled before `/health` says ok, so the first requests should not wait).
+
+    python benchmarks/serve.py --startup [--serve-args --quant int4]
 """
 from __future__ import annotations
 
@@ -78,9 +84,13 @@ def main() -> None:
     parser.add_argument("--system-tokens", type=int, default=500, help="--prefix-cache: about this many tokens")
     parser.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
                         help="more flags for `accessory serve` (last), e.g. --quant int4 --compile")
+    parser.add_argument("--startup", action="store_true", help="measure startup and the first requests instead")
     args = parser.parse_args()
     if args.prefix_cache:
         prefix_cache_main(args)
+        return
+    if args.startup:
+        startup_main(args)
         return
 
     with serving(args) as url:
@@ -140,7 +150,36 @@ def start_server(port: int, args, flags: tuple[str, ...] = ()) -> subprocess.Pop
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def wait_ready(url: str, server: subprocess.Popen, timeout: float = 300) -> None:
+def startup_main(args) -> None:
+    print(f"accessory serve, SmolLM2-135M-Instruct, {args.nproc} rank(s), {args.threads} thread(s), "
+          f"max_tokens {args.max_tokens}; seconds")
+    print(f"{'flags':>28} {'to /health ok':>13} {'1st alone':>9} {'1st 4':>7} {'2nd alone':>9} {'2nd 4':>7}")
+    for flags in ((), ("--compile",)):
+        port, start = free_port(), time.perf_counter()
+        server = start_server(port, args, flags)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_ready(url, server)
+            ready = time.perf_counter() - start
+            times = [timed_together(url, n, args.max_tokens) for n in (1, 4, 1, 4)]
+        finally:
+            server.send_signal(signal.SIGTERM)
+            server.wait(timeout=120)
+        shown = " ".join([*args.serve_args, *flags]) or "(none)"
+        print(f"{shown:>28} {ready:>13.1f} {times[0]:>9.2f} {times[1]:>7.2f} {times[2]:>9.2f} {times[3]:>7.2f}")
+
+
+def timed_together(url: str, n: int, max_tokens: int) -> float:
+    """Seconds until n chat requests sent at once have all been answered."""
+    threads = [threading.Thread(target=one_request, args=(url, user(f"Tell me about {TOPICS[i]}."), max_tokens))
+               for i in range(n)]
+    start = time.perf_counter()
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    return time.perf_counter() - start
+
+
+def wait_ready(url: str, server: subprocess.Popen, timeout: float = 600) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if server.poll() is not None:

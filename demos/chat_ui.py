@@ -74,7 +74,7 @@ def serve(title: str, context: Context, args: argparse.Namespace) -> None:
     service together, and then the source rank reports it."""
     from accessory.serve.engine import GenerationService
 
-    model = cli.load_model(args)
+    model = cli.load_model(args, warmup=True)
     images = None if args.image_transform is None else image_reader(model, args)  # before the page is served
     service = GenerationService(model)
     service.install_signal_handlers()

@@ -38,7 +38,7 @@ class Server:
             assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.read_log()}"
             try:
                 answer = httpx.get(f"{self.url}/health", timeout=2)
-                self.statuses.append((answer.status_code, answer.json().get("status")))
+                self.statuses.append((answer.status_code, answer.json().get("status"), answer.json().get("phase")))
                 if answer.status_code == 200:
                     return
             except httpx.HTTPError:

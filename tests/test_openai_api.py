@@ -282,7 +282,7 @@ def test_tokenize_detokenize_and_fingerprint(server, oracle):
 # ---- operating it ---------------------------------------------------------------------------------------------------
 
 def test_health_says_loading_until_the_model_is_ready(server):
-    assert (503, "loading") in server.statuses and server.statuses[-1] == (200, "ok")
+    assert (503, "loading", "loading weights") in server.statuses and server.statuses[-1] == (200, "ok", None)
 
 
 def scrape(server) -> dict:

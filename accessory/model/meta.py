@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
 
@@ -13,7 +14,7 @@ from torch import nn
 from accessory.checkpoint.config import CheckpointSpec, read_spec, resolved_config
 from accessory.checkpoint.direct import imported
 from accessory.checkpoint.load import load_weights
-from accessory.errors import ConfigError, TokenizerError
+from accessory.errors import AccessoryError, ConfigError, TokenizerError
 from accessory.generation.chat import render_chat
 from accessory.generation.engine import Engine, EngineSettings
 from accessory.generation.sampling import SamplingParams
@@ -52,7 +53,7 @@ class MetaModel(nn.Module):
                         quant: Union[bool, None, str] = False, *, max_batch_size: int = 32,
                         compile: bool = False, prefix_cache: bool = True,
                         prefix_cache_bytes: int = EngineSettings.prefix_cache_bytes,
-                        rank_timeout: float = 60.0) -> "MetaModel":
+                        rank_timeout: float = 60.0, warmup: bool = False) -> "MetaModel":
         """Load a checkpoint folder (or a list of folders, later ones overriding earlier ones) onto the
         model-parallel group `mp_group` (default: fairscale's model-parallel group if this process set one up, as
         LLaMA2-Accessory's scripts do with `initialize_model_parallel(n)`; else the torchrun world; else this
@@ -70,6 +71,9 @@ class MetaModel(nn.Module):
         `compile` (torch.compile the decode step), `prefix_cache` (a prompt's start already in the KV cache is
         reused, not recomputed) and `prefix_cache_bytes` (per rank, for finished sequences kept to be reused) are
         the engine's settings (`model.engine`).
+
+        `warmup` (with `compile`): compile every graph the engine will run before returning (`warm_up`), so no
+        later call waits on compilation.
 
         `rank_timeout` (seconds; at more than one rank): a rank that stops answering (frozen, killed), or ranks
         that are no longer at the same generation step (user code that breaks out of a stream on some ranks only),
@@ -129,7 +133,33 @@ class MetaModel(nn.Module):
             log.debug("%d MiB of weights on huge pages", back_with_huge_pages(llma) >> 20)
         log.info("loaded %s (%s%s) at %d model-parallel rank(s), %s on %s", folders[-1], spec.llama_type,
                  f", {_describe(formats)}" if formats else "", ctx.world_size, dtype, device)
-        return cls(llma.eval(), tokenizer, spec.llama_type, settings)
+        model = cls(llma.eval(), tokenizer, spec.llama_type, settings)
+        if warmup:
+            model.warm_up()
+        return model
+
+    def warm_up(self) -> float:
+        """With a compiled engine, compile every graph it runs (the decode step for one row, and for several rows
+        with symbolic sizes) by decoding a few tokens at 1 and 2 rows, so that no later request waits on
+        compilation; the seconds it took (0 without compile). Collective: every rank calls it. A compilation that
+        fails is a ConfigError that says to run without compile."""
+        if not self.engine.settings.compile:
+            return 0.0
+        start, stops = time.perf_counter(), self.stop_ids
+        self.stop_ids = set()  # an early EOS would end a row before its decode steps
+        try:
+            for prompts in (["Hello"], ["Hello", "Hello there"]):
+                self.generate(prompts, max_gen_len=3)
+        except AccessoryError:
+            raise
+        except Exception as e:
+            raise ConfigError(f"compiling the decode step failed ({type(e).__name__}: {str(e)[:500]}); run without "
+                              f"--compile (compile=False)") from e
+        finally:
+            self.stop_ids = stops
+        seconds = time.perf_counter() - start
+        log.info("compiled the decode step in %.1f s", seconds)
+        return seconds
 
     @property
     def stop_ids(self) -> set[int]:

@@ -175,6 +175,7 @@ class ServiceSlot:
 
     def __init__(self, service: Optional[GenerationService] = None):
         self.service = service
+        self.phase = "loading weights"  # what /health says while there is no service yet
 
     def get(self) -> GenerationService:
         if self.service is None:
@@ -237,7 +238,7 @@ def create_app(service: Union[GenerationService, ServiceSlot, None], model_name:
     @app.get("/health")
     async def health():
         if slot.service is None:
-            return JSONResponse({"status": "loading"}, status_code=503)
+            return JSONResponse({"status": "loading", "phase": slot.phase}, status_code=503)
         healthy, report = slot.service.health()
         return report if healthy else JSONResponse(report, status_code=503)
 

@@ -1,6 +1,7 @@
 """`accessory serve`: every rank drives the batch in its main thread; the source rank also runs the HTTP server
 (uvicorn) in a thread beside it, so the API answers while the model computes. The HTTP server starts before the
-model loads: /health says 503 "loading" until it is ready (and "draining" once shutdown begins)."""
+model loads: /health says 503 "loading" until it is ready, with the phase ("loading weights", then with --compile
+"compiling", every graph the engine runs), and "draining" once shutdown begins."""
 from __future__ import annotations
 
 import logging
@@ -32,6 +33,8 @@ def serve(load: Callable[[], object], host: str = "127.0.0.1", port: int = 8000,
                                           special_tokens_in_prompt=special_tokens_in_prompt,
                                           images=images or ImageOptions()))
     model = load()
+    slot.phase = "compiling"
+    model.warm_up()  # with --compile: every graph before /health says ok (a no-op without)
     service = GenerationService(model, max_queue=max_queue, grace_s=grace_s, metrics=True)
     service.install_signal_handlers()
     if server is not None:

@@ -1,0 +1,57 @@
+"""A compiled engine is ready only when every graph it runs is compiled: after `warm_up` (from_pretrained's
+`warmup=True`, and `accessory serve --compile` before /health says ok) no request compiles anything, at one row
+or several; the server says "compiling" meanwhile, and its first requests take about what later ones take."""
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import torch
+
+from serving import MODEL, Server
+
+PROMPTS = ["Hi", "The quick brown fox", "Tensor parallel inference is a way to", "Once upon a time there was"]
+
+
+def test_after_warm_up_no_request_compiles_a_graph(tiny_checkpoints):
+    from torch._dynamo.utils import counters
+
+    from accessory.model.meta import MetaModel
+
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    model = MetaModel.from_pretrained(tiny_checkpoints["mha", 1], max_seq_len=256, compile=True, warmup=True)
+    warmed = counters["stats"]["unique_graphs"]
+    assert warmed > before
+    model.stop_ids = set()
+    model.generate(PROMPTS[:1], max_gen_len=40)  # one row, past the warm-up's widths
+    model.generate(PROMPTS, max_gen_len=30)  # four rows, ending together
+    for _ in model.stream_generate(PROMPTS[:3], max_gen_len=20):  # three, then fewer as they end
+        pass
+    assert counters["stats"]["unique_graphs"] == warmed
+
+
+def timed_requests(client, prompts: list[str]) -> float:
+    """Seconds until every prompt's completion (sent together) has come back."""
+    def one(prompt):
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        list(pool.map(one, prompts))
+    return time.perf_counter() - start
+
+
+def test_a_compiled_server_says_compiling_and_its_first_requests_wait_on_nothing(tiny_checkpoints, tmp_path):
+    server = Server(tmp_path, "--pretrained_path", str(tiny_checkpoints["mha", 1]), "--compile",
+                    "--model-name", MODEL, nproc=1)
+    try:
+        server.wait_ready()
+        assert (503, "loading", "compiling") in server.statuses, server.statuses
+        assert "compiled the decode step in" in server.read_log()
+        client = server.client()
+        first = [timed_requests(client, PROMPTS[:1]), timed_requests(client, PROMPTS)]
+        later = [timed_requests(client, PROMPTS[:1]), timed_requests(client, PROMPTS)]
+        assert first[0] < 5 * later[0] and first[1] < 5 * later[1], (first, later)
+    finally:
+        server.stop()

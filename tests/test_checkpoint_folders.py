@@ -176,7 +176,8 @@ def test_shape_that_does_not_match_config(tiny_checkpoints, tmp_path):
 def test_unknown_llama_type(tiny_checkpoints, tmp_path):
     folder = copy_of(tiny_checkpoints["mha", 1], tmp_path)
     (folder / "meta.json").write_text(json.dumps({"llama_type": "llama_moe"}))
-    expect_error(folder, str(folder / "meta.json"), "unknown llama_type 'llama_moe'", "['llama', 'llama_peft', 'llava', 'qwen2', 'qwen3', 'mistral', 'gemma3']")
+    expect_error(folder, str(folder / "meta.json"), "unknown llama_type 'llama_moe'",
+                 "['llama', 'llama_peft', 'llava', 'qwen2', 'qwen3', 'mistral', 'gemma3', 'mixtral', 'qwen3_moe']")
     expect_error(tiny_checkpoints["mha", 1], "llama_type argument", "'llama_moe'", llama_type="llama_moe")
 
 

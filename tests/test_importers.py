@@ -313,7 +313,7 @@ def test_hf_missing_config(tmp_path):
 def test_hf_wrong_architecture(tmp_path):
     _write_config(tmp_path, architectures=["PhiForCausalLM"], model_type="phi")
     with pytest.raises(CheckpointError, match=r"config\.json: architectures is \['PhiForCausalLM'\]; these can be "
-                                              r"imported: \['Gemma3ForCausalLM', .*'Qwen3ForCausalLM', "
+                                              r"imported: \['Gemma3ForCausalLM', .*'Qwen3ForCausalLM', .*"
                                               r"'LlavaForConditionalGeneration'\]"):
         read_hf(tmp_path)
 

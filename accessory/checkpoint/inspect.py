@@ -88,20 +88,22 @@ def _inspect_shards(report: Report, folder: Path) -> None:
 
 
 def _check_same_keys(report: Report, opened: dict) -> None:
-    from accessory.checkpoint.load import _listing
+    """Every shard holds the same tensors, except a mixture's experts (each in the shards its expert is on)."""
+    from accessory.checkpoint.load import EXPERT_KEY, _listing
 
     if not opened:
         return
     first_path, first = next(iter(opened.items()))
     for path, tensors in opened.items():
-        missing, extra = sorted(first.keys() - tensors.keys()), sorted(tensors.keys() - first.keys())
+        missing = sorted(k for k in first.keys() - tensors.keys() if not EXPERT_KEY.search(k))
+        extra = sorted(k for k in tensors.keys() - first.keys() if not EXPERT_KEY.search(k))
         if missing or extra:
             report.problems.append(f"{path}: holds other tensors than {first_path.name}: missing "
                                    f"[{_listing(missing)}], extra [{_listing(extra)}]")
 
 
 def _check_pieces(report: Report, folder: Path, opened: list[dict], shapes: dict) -> None:
-    from accessory.checkpoint.load import key_mismatch, split_dim
+    from accessory.checkpoint.load import EXPERT_KEY, key_mismatch, split_dim
 
     found = set().union(*(t.keys() for t in opened))
     if problem := key_mismatch(found, shapes.keys()):
@@ -109,7 +111,7 @@ def _check_pieces(report: Report, folder: Path, opened: list[dict], shapes: dict
     dtypes = set()
     for key, shape in shapes.items():
         pieces = [t[key] for t in opened if key in t]
-        if len(pieces) != len(opened):
+        if not pieces or (len(pieces) != len(opened) and not EXPERT_KEY.search(key)):
             continue  # reported above as a missing key
         dtypes |= {str(p.dtype).removeprefix("torch.") for p in pieces}
         try:

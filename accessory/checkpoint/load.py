@@ -13,6 +13,7 @@ output shards with the same `copy_sum`, so what they write is what loading the i
 from __future__ import annotations
 
 import logging
+import re
 from functools import partial
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional, Sequence
@@ -43,15 +44,21 @@ def open_checkpoint(folders: Sequence[Path]) -> dict[str, list[Term]]:
     for folder in folders:
         shards = find_shards(folder)
         opened = [read_shard(path, shards.kind) for path in shards.files]
-        for path, tensors in zip(shards.files[1:], opened[1:]):
-            if tensors.keys() != opened[0].keys():
-                diff = sorted(tensors.keys() ^ opened[0].keys())
-                raise CheckpointError(f"{path}: holds other tensors than {shards.files[0].name} (differing: "
-                                      f"{_listing(diff)}); the shards are from different checkpoints")
-        for key in opened[0]:
-            term = Term([tensors[key] for tensors in opened], folder)
+        keys = list(dict.fromkeys(key for tensors in opened for key in tensors))  # in the shards' order
+        for path, tensors in zip(shards.files, opened):
+            absent = [key for key in keys if key not in tensors and not EXPERT_KEY.search(key)]
+            if absent:
+                raise CheckpointError(f"{path}: lacks tensors other shards of {folder} hold ({_listing(absent)}); "
+                                      f"the shards are from different checkpoints")
+        for key in keys:  # an expert's pieces: those of the shards holding it, in shard order
+            term = Term([tensors[key] for tensors in opened if key in tensors], folder)
             sources[key] = sources.get(key, []) + [term] if shards.kind in ADDITIVE else [term]
     return sources
+
+
+# A mixture's expert tensors (`layers.N.feed_forward.experts.E.w1.weight`, global expert ids) are held only by the
+# shards their expert is placed on (parallel/layers.py `expert_placement`); every other tensor is in every shard.
+EXPERT_KEY = re.compile(r"\.experts\.\d+\.")
 
 
 def load_weights(model: nn.Module, folders: Sequence[Path], progress: bool = True) -> None:
@@ -62,7 +69,7 @@ def load_weights(model: nn.Module, folders: Sequence[Path], progress: bool = Tru
     model ever exists."""
     sources = open_checkpoint(folders)
     units = _load_units(model, sources)
-    problem = key_mismatch(sources.keys(), {key for keys, _ in units for key in keys})
+    problem = key_mismatch(sources.keys(), {key for keys, _ in units for key in keys} | model.held_elsewhere())
     if problem:
         raise CheckpointError(f"{', '.join(str(f) for f in folders)}: {problem}")
     for keys, load in tqdm(units, desc="loading weights", disable=not progress, leave=False):
@@ -72,7 +79,7 @@ def load_weights(model: nn.Module, folders: Sequence[Path], progress: bool = Tru
 def _load_units(model: nn.Module, sources: dict[str, list[Term]]) -> list[tuple[list[str], Callable[[], None]]]:
     """(the checkpoint keys it reads, how to load it) for each tensor, or quantized weight, of the model."""
     units = []
-    for name, tensor in _distinct_tensors(model).items():
+    for name, tensor in _distinct_tensors(model).items():  # this rank's (its experts', not the others')
         owner_name, _, part = name.rpartition(".")
         owner = model.get_submodule(owner_name) if owner_name else model
         key = model.checkpoint_key(name)

@@ -59,7 +59,7 @@ def write_streamed(dst: Path, kind: str, folders: Sequence[Path], shards: int, r
         return {key: terms for key, terms in recipe().items() if key not in IGNORED_KEYS}  # Meta's rope.freqs
 
     terms = opened()
-    _check_layouts(terms, meta_model(transformer, args, 0, shards, formats), shards)
+    _check_layouts(terms, meta_model(transformer, args, 0, 1, formats), shards)  # every tensor, whole
     count = len(terms)
     del terms  # holds the inputs' mappings: each output shard opens its own
     log.info("%s %s (%s, %d tensors) into %d shard(s) at %s", verb, ", ".join(map(str, folders)), llama_type,
@@ -118,8 +118,8 @@ def _check_layouts(terms: dict[str, list[Term]], model, shards: int) -> None:
 
 def _cut(terms: dict[str, list[Term]], model, rank: int, dtype, bar) -> dict[str, torch.Tensor]:
     """Output shard `rank`: every tensor's slice for that rank (the whole tensor where it is not split)."""
-    params = _saved_params(model)
-    plans = {key: _plan(params, key, key_terms, rank) for key, key_terms in terms.items()}
+    params, elsewhere = _saved_params(model), model.held_elsewhere()  # another shard's experts are left out
+    plans = {key: _plan(params, key, key_terms, rank) for key, key_terms in terms.items() if key not in elsewhere}
     # One float32 buffer for every sum of the shard: a buffer allocated and freed per tensor fragments the heap.
     sizes = [2 * shape.numel() for shape, _, key_terms in plans.values() if len(key_terms) > 1]
     scratch = torch.empty(max(sizes), dtype=torch.float32) if sizes else None

@@ -156,8 +156,9 @@ def is_quantized_part(model, name: str) -> bool:
 
 def _cut_shard(model, state_dict: dict[str, torch.Tensor], dtype) -> dict[str, torch.Tensor]:
     # A tensor whose checkpoint key is another's (tied output) is not saved: it loads from that tensor.
-    params = model.saved_tensors()
-    missing, unexpected = sorted(params.keys() - state_dict.keys()), sorted(state_dict.keys() - params.keys())
+    params = model.saved_tensors()  # this shard's: another shard's experts are left out
+    missing = sorted(params.keys() - state_dict.keys())
+    unexpected = sorted(state_dict.keys() - params.keys() - model.held_elsewhere())
     if missing or unexpected:
         raise CheckpointError(f"state dict to save does not match the model: missing {missing}, "
                               f"unexpected {unexpected}")

@@ -1,6 +1,7 @@
 """Shared decoder blocks of every family: RMSNorm (with Gemma's +1 offset or without), rotary embeddings (linear,
 llama3 and yarn scaling), the KV cache (whole, or a ring holding a sliding window), attention (optional qkv bias,
-per-head q/k norm, a query scale, a sliding window) and the gated feed-forward (SiLU or GELU-tanh).
+per-head q/k norm, a query scale, a sliding window), the gated feed-forward (SiLU or GELU-tanh) and the mixture of
+experts (a router over gated feed-forwards, the experts spread over ranks).
 
 Model files (model/LLM/<type>.py) only wire these; there is one implementation of each idea. The blocks read what
 they need from the family's ModelArgs (`args`): sizes, and its traits (`qkv_bias`, `qk_norm`, `norm_offset`, ...).
@@ -25,9 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from accessory.errors import ConfigError
-from accessory.kernels import decode_attention
-from accessory.parallel import ColumnParallelLinear, FusedColumns, ParallelContext, RowParallelLinear
-from accessory.quant.formats import GROUP
+from accessory.kernels import decode_attention, linear, quantized_linear
+from accessory.parallel import (ColumnParallelLinear, ExpertLinear, FusedColumns, ParallelContext, RowParallelLinear,
+                                expert_placement)
+from accessory.quant.formats import GROUP, PARTS, block_size
+from accessory.quant.weight import QuantizedWeight
 
 
 class RMSNorm(nn.Module):
@@ -370,3 +373,174 @@ class FeedForward(nn.Module):
         must be split as w2's inputs are (meta device, before loading)."""
         for layer in (self.w1, self.w2, self.w3):
             layer.align_(block)
+
+    def linear_names(self) -> list[str]:
+        """The names (under the block's `feed_forward.`) of its weights that quantization covers."""
+        return ["w1", "w2", "w3"]
+
+    def align_for(self, formats: dict[str, str], prefix: str) -> None:
+        """Before quantizing to `formats` (weight name -> format): split the hidden units on w2's blocks."""
+        if any(f"{prefix}{w}.weight" in formats for w in ("w1", "w2", "w3")):
+            w2 = formats.get(f"{prefix}w2.weight")
+            self.align_hidden(block_size(w2) if w2 else GROUP)
+
+    def held_elsewhere(self) -> list[str]:
+        """Checkpoint names (under `feed_forward.`) of weights that other ranks hold and this one does not."""
+        return []
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture of experts: `num_experts` gated feed-forwards, of which a router picks `num_experts_per_tok` per
+    token (softmax over all experts, then the top k; their weights renormalised to sum to 1 if `norm_topk_prob`:
+    Mixtral always, Qwen3-MoE as its config says)."""
+    num_experts: int
+    num_experts_per_tok: int
+    norm_topk_prob: bool = True
+
+
+class Expert(nn.Module):
+    """One expert's w1, w2, w3 (this rank's slice of its hidden units): the weights only, multiplied stacked."""
+
+    def __init__(self, dim: int, hidden_dim: int, parts: int, part: int):
+        super().__init__()
+        self.w1 = ExpertLinear(dim, hidden_dim, 0, parts, part)
+        self.w2 = ExpertLinear(hidden_dim, dim, 1, parts, part)
+        self.w3 = ExpertLinear(dim, hidden_dim, 0, parts, part)
+
+
+class ExpertStack(nn.Module):
+    """The same weight of every local expert stacked, (experts, out, in) float or its quantized parts, and the
+    experts' own weights made views of it (materialized, before loading: nothing is copied, and loading and saving
+    see each expert's weight under its own name). `groups[e]`: expert e's layers whose rows are stacked one after
+    another (w1 and w3: one product)."""
+
+    def __init__(self, groups: list[list[ExpertLinear]]):
+        super().__init__()
+        first = groups[0][0].weight
+        self.fmt = first.fmt if isinstance(first, QuantizedWeight) else None
+        self.names = PARTS[self.fmt] if self.fmt else ("weight",)
+        sizes = [layer.weight.shape[0] for layer in groups[0]]
+        for name in self.names:
+            def tensor(layer):
+                return layer.weight.parts[name] if self.fmt else layer.weight.data
+            stacked = torch.stack([torch.cat([tensor(layer) for layer in group]) for group in groups])
+            self.register_buffer(name, stacked, persistent=False)
+            for e, group in enumerate(groups):
+                for layer, view in zip(group, stacked[e].split(sizes)):
+                    if self.fmt:
+                        setattr(layer.weight, name, view)
+                    else:
+                        layer.weight = nn.Parameter(view, requires_grad=False)
+
+    def product(self, x: torch.Tensor, expert: Union[int, torch.Tensor]) -> torch.Tensor:
+        """x (..., in) @ W_e^T for local expert `expert`: an int (a view, nothing copied), or a (1,) tensor (its
+        weights gathered: the static step's choice, read without a host sync)."""
+        if isinstance(expert, int):
+            parts = {name: getattr(self, name)[expert] for name in self.names}
+        else:
+            parts = {name: getattr(self, name).index_select(0, expert)[0] for name in self.names}
+        if self.fmt is None:
+            return linear(x, parts["weight"])
+        return quantized_linear(x, self.fmt, parts["q"], parts.get("scale"), parts.get("min"))
+
+
+class MoEFeedForward(nn.Module):
+    """A mixture of experts (Mixtral, Qwen3-MoE): a router (`gate`, experts x dim, whole on every rank) picks the top
+    k experts of each token, and the token's output is the router-weighted sum of those experts' gated MLPs.
+
+    The experts are spread over the ranks by `expert_placement` (whole experts per rank when the ranks divide them,
+    their hidden units split otherwise); each rank computes its experts' share and one all-reduce sums the shares.
+    `experts` is keyed by global expert id, as LLaMA2-Accessory's checkpoints name them
+    (`layers.N.feed_forward.experts.E.w1.weight`).
+
+    Only the chosen experts' weights are read:
+    - eager (prefill, and decode on the CPU): tokens are grouped by expert, one product per chosen expert on its
+      tokens (the grouping costs one host sync: how many tokens each expert got);
+    - static (compiled, or captured as a CUDA graph): no host sync and shapes fixed by the row count. When a step's
+      T tokens make fewer than `local experts` choices (T * k < L: batch-1 decode), each choice's weights are
+      gathered by id (k experts read, not L); otherwise every local expert runs on every token, weighted by the
+      router (0 for tokens that did not choose it), which reads each weight once, as a batch would anyway.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, moe: MoEConfig, ctx: ParallelContext, activation: str = "silu"):
+        super().__init__()
+        self.ctx, self.moe, self.act = ctx, moe, ACTIVATIONS[activation]
+        self.placement = expert_placement(moe.num_experts, ctx.world_size, ctx.rank)
+        self.gate = ColumnParallelLinear(dim, moe.num_experts, ctx, parts=1)  # parts=1: whole on every rank
+        self.experts = nn.ModuleDict({str(e): Expert(dim, hidden_dim, self.placement.parts, self.placement.part)
+                                      for e in self.placement.experts})
+        self.w13: ExpertStack | None = None  # the local experts' [w1; w3], (L, 2 * local hidden, dim), once fused
+        self.w2: ExpertStack | None = None  # their w2, (L, dim, local hidden)
+
+    def fuse(self) -> None:
+        """Stack the local experts' weights (materialized, before loading)."""
+        experts = list(self.experts.values())
+        self.w13 = ExpertStack([[e.w1, e.w3] for e in experts])
+        self.w2 = ExpertStack([[e.w2] for e in experts])
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For tokens x (T, dim): the router weights (T, k) in x's dtype, 0 for an expert another rank holds, and
+        the chosen experts' local indices (T, k), L (the local expert count) for one held elsewhere. The softmax
+        is in float32, over all experts, as transformers computes it."""
+        probs = self.gate(x).float().softmax(dim=-1)
+        weights, ids = probs.topk(self.moe.num_experts_per_tok, dim=-1)
+        if self.moe.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        local, count = ids - self.placement.experts.start, len(self.placement.experts)
+        here = (local >= 0) & (local < count)
+        return torch.where(here, weights.to(x.dtype), 0), torch.where(here, local, count)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # (T, dim)
+        weights, local = self.route(flat)
+        static = torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        y = self._static(flat, weights, local) if static else self._grouped(flat, weights, local)
+        return self.ctx.all_reduce(y).reshape(x.shape)
+
+    def _mlp(self, x: torch.Tensor, expert: Union[int, torch.Tensor]) -> torch.Tensor:
+        gate, up = self.w13.product(x, expert).chunk(2, dim=-1)
+        return self.w2.product(self.act(gate) * up, expert)
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """One product per local expert on the tokens that chose it."""
+        k, count = self.moe.num_experts_per_tok, len(self.placement.experts)
+        choices = local.flatten()  # (T * k,): choice c is token c // k's
+        order = choices.argsort(stable=True)
+        sizes = torch.bincount(choices, minlength=count + 1).tolist()  # the one host sync
+        y, start = torch.zeros_like(x), 0
+        for expert, size in enumerate(sizes[:count]):
+            if size:
+                chosen = order[start:start + size]
+                tokens = chosen // k
+                y.index_add_(0, tokens, self._mlp(x[tokens], expert) * weights.flatten()[chosen, None])
+            start += size
+        return y
+
+    def _static(self, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """Shapes fixed by T, no host sync (see the class's docstring)."""
+        (tokens, k), count = local.shape, len(self.placement.experts)
+        if tokens * k < count:  # gather each choice's weights (an expert held elsewhere: any local one, weight 0)
+            chosen = local.clamp(max=count - 1)
+            rows = [sum(self._mlp(x[t:t + 1], chosen[t, j:j + 1]) * weights[t, j] for j in range(k))
+                    for t in range(tokens)]
+            return torch.cat(rows)
+        dense = torch.zeros(tokens, count + 1, dtype=x.dtype, device=x.device).scatter_add_(1, local, weights)
+        return sum(self._mlp(x, e) * dense[:, e:e + 1] for e in range(count))
+
+    def linear_names(self) -> list[str]:
+        return [f"experts.{e}.{w}" for e in range(self.moe.num_experts) for w in ("w1", "w2", "w3")]
+
+    def align_for(self, formats: dict[str, str], prefix: str) -> None:
+        for e, expert in self.experts.items():
+            w2 = formats.get(f"{prefix}experts.{e}.w2.weight")
+            if w2 or any(f"{prefix}experts.{e}.{w}.weight" in formats for w in ("w1", "w3")):
+                for layer in (expert.w1, expert.w2, expert.w3):
+                    layer.align_(block_size(w2) if w2 else GROUP)
+
+    def held_elsewhere(self) -> list[str]:
+        """Every tensor name of the experts this rank does not hold (as its own experts' tensors are named)."""
+        first = self.placement.experts.start
+        own = [name for name in self.experts[str(first)].state_dict(keep_vars=True)]
+        return [f"experts.{e}.{name}" for e in range(self.moe.num_experts) if e not in self.placement.experts
+                for name in own]

@@ -1,10 +1,13 @@
 """Process groups and tensor-parallel layers. Model files import the layers from here: this is the one seam."""
 from accessory.parallel.context import (ParallelContext, fairscale_model_parallel_group, init_distributed,
                                         shutdown_distributed)
-from accessory.parallel.layers import (ColumnParallelLinear, FusedColumns, ParallelEmbedding, RowParallelLinear, Shard,
-                                       global_shape, make_shard, shard_of)
+from accessory.parallel.layers import (ColumnParallelLinear, ExpertLinear, ExpertPlacement, FusedColumns,
+                                       ParallelEmbedding, RowParallelLinear, Shard, expert_placement, global_shape,
+                                       make_shard, shard_of)
 from accessory.parallel.lora import LoraColumnParallelLinear, LoraRowParallelLinear, ReplicatedLinear
 
-__all__ = ["ParallelContext", "fairscale_model_parallel_group", "init_distributed", "shutdown_distributed", "ColumnParallelLinear",
+__all__ = ["ParallelContext", "fairscale_model_parallel_group", "init_distributed", "shutdown_distributed",
+           "ColumnParallelLinear",
            "RowParallelLinear", "FusedColumns", "ParallelEmbedding", "Shard", "make_shard", "shard_of", "global_shape",
-           "LoraColumnParallelLinear", "LoraRowParallelLinear", "ReplicatedLinear"]
+           "LoraColumnParallelLinear", "LoraRowParallelLinear", "ReplicatedLinear", "ExpertLinear", "ExpertPlacement",
+           "expert_placement"]

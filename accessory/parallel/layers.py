@@ -5,6 +5,7 @@
 | ColumnParallelLinear  | (out_features, in_features)  | dim 0 (outputs)  | all-gather if gather_output  |
 | RowParallelLinear     | (out_features, in_features)  | dim 1 (inputs)   | all-reduce                   |
 | ParallelEmbedding     | (num_embeddings, dim)        | dim 1 (features) | all-gather                   |
+| ExpertLinear          | one expert's w1/w3 or w2     | hidden units     | (the MoE block's all-reduce) |
 
 Each layer records its slice of the global weight as `weight_shard`; the checkpoint loader and saver key all
 slicing on that (never on parameter names). A split that does not divide evenly gives every rank
@@ -17,6 +18,7 @@ aligned to whole blocks (`align`), or refused where it cannot be (a split of att
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -230,3 +232,42 @@ def global_shape(local: torch.Tensor, shard: Optional[Shard]) -> list[int]:
     if shard is not None:
         shape[shard.dim] = shard.size
     return shape
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Where a mixture of experts lives on the ranks: rank r holds experts `experts` (global ids, consecutive), each
+    cut into `parts` slices of its hidden units, of which it holds slice `part`.
+
+    With g = gcd(experts, ranks), the ranks form g groups of ranks / g; group j holds experts j*E/g .. (j+1)*E/g - 1,
+    their hidden units split over the group's ranks. Ranks dividing experts: whole experts per rank (expert
+    parallelism, LLaMA2-Accessory's layout: shard r of M holds experts r*E/M ..). Experts dividing ranks: each
+    expert split over ranks / E ranks. Neither (8 experts, 6 ranks): 2 groups of 3 ranks, 4 experts each, split in
+    3. Every (expert, slice) lives on exactly one rank, so summing the ranks' partial outputs gives the output."""
+    experts: range
+    parts: int
+    part: int
+
+
+def expert_placement(n_experts: int, world: int, rank: int) -> ExpertPlacement:
+    groups = math.gcd(n_experts, world)
+    per_group, parts = n_experts // groups, world // groups
+    group = rank // parts
+    return ExpertPlacement(range(group * per_group, (group + 1) * per_group), parts, rank % parts)
+
+
+class ExpertLinear(ParallelWeight):
+    """One expert's weight W (out, in), this rank's slice of its hidden units: rows (`dim` 0: w1, w3) or columns
+    (dim 1: w2) split into `parts`, slice `part`. It has no forward: the MoE block multiplies with the experts'
+    weights stacked (they are views of the stack), and sums the ranks' partial outputs once."""
+
+    def __init__(self, in_features: int, out_features: int, dim: int, parts: int, part: int):
+        super().__init__()
+        self.split = (dim, (out_features, in_features)[dim], parts, part)
+        self.weight_shard = make_shard(dim, self.split[1], parts, part)
+        shape = [out_features, in_features]
+        shape[dim] = self.weight_shard.local_size
+        self.weight = nn.Parameter(torch.empty(shape), requires_grad=False)
+
+    def align_(self, align: int) -> None:
+        self.split_(*self.split, align)

@@ -21,17 +21,17 @@ class ImportedModel:
     quantization: dict[str, str] = field(default_factory=dict)
 
 
-def expand_templates(table: dict[str, str], n_layers: int) -> dict[str, str]:
-    """{foreign template: canonical template} with `{i}` -> {foreign name: canonical name} for layers 0..n_layers-1.
+def expand_templates(table: dict[str, str], n_layers: int, n_experts: int = 0) -> dict[str, str]:
+    """{foreign template: canonical template} with `{i}` (and `{e}`) -> {foreign name: canonical name} for layers
+    0..n_layers-1 (and experts 0..n_experts-1).
 
     Expanding per layer (rather than matching a regex) makes a layer index beyond the config an unexpected name.
     """
     names = {}
     for foreign, ours in table.items():
-        if "{i}" in foreign:
-            names.update({foreign.format(i=i): ours.format(i=i) for i in range(n_layers)})
-        else:
-            names[foreign] = ours
+        experts = range(n_experts) if "{e}" in foreign else [None]
+        layers = range(n_layers) if "{i}" in foreign else [None]
+        names.update({foreign.format(i=i, e=e): ours.format(i=i, e=e) for i in layers for e in experts})
     return names
 
 

@@ -44,6 +44,11 @@ class Family:
     gguf_config: Callable[[Callable, dict, str], dict] = _no_gguf_keys
     gguf_rotate_half: bool = False
     gguf_norm_shift: float = 0.0
+    # A mixture of experts' HF names (`{i}` the layer, `{e}` the expert), replacing LLaMA's dense MLP names; and the
+    # fused forms transformers 5 holds in memory (`experts.gate_up_proj` (E, 2 * hidden, dim), `experts.down_proj`
+    # (E, dim, hidden)), each -> the per-expert names its rows split into, in order (what save_pretrained writes).
+    hf_experts: dict = field(default_factory=dict)
+    hf_fused: dict = field(default_factory=dict)
 
 
 # ---- sliding windows, as HF configs write them ---------------------------------------------------------------------
@@ -114,6 +119,53 @@ def _gemma3_config(hf: dict, source: str) -> dict:
             "final_logit_softcapping": hf.get("final_logit_softcapping")}
 
 
+def _moe_config(hf: dict, source: str, experts_key: str, hidden_key: str, norm_topk_prob) -> dict:
+    """The `moe` entry (and each expert's hidden size) of an HF MoE config."""
+    experts = hf.get(experts_key, hf.get("num_local_experts", hf.get("num_experts")))
+    if experts is None or "num_experts_per_tok" not in hf:
+        raise ConfigError(f"{source}: a mixture of experts needs {experts_key} and num_experts_per_tok")
+    if hf.get(hidden_key) is None:
+        raise ConfigError(f"{source}: missing {hidden_key} (each expert's hidden size)")
+    moe = {"num_experts": experts, "num_experts_per_tok": hf["num_experts_per_tok"], "norm_topk_prob": norm_topk_prob}
+    return {"hidden_dim": hf[hidden_key], "moe": moe}
+
+
+def _mixtral_config(hf: dict, source: str) -> dict:
+    return {**hf_windows(hf, source, every_layer=True),
+            **_moe_config(hf, source, "num_local_experts", "intermediate_size", True)}
+
+
+def _qwen3_moe_config(hf: dict, source: str) -> dict:
+    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+        raise ConfigError(f"{source}: mlp_only_layers {hf.get('mlp_only_layers')} / decoder_sparse_step "
+                          f"{hf.get('decoder_sparse_step')}: dense layers among the MoE layers are not supported "
+                          f"(every layer must be a mixture: mlp_only_layers [] and decoder_sparse_step 1)")
+    if hf.get("shared_expert_intermediate_size"):
+        raise ConfigError(f"{source}: shared experts (shared_expert_intermediate_size) are not supported")
+    return {**_qwen3_config(hf, source),
+            **_moe_config(hf, source, "num_experts", "moe_intermediate_size", bool(hf.get("norm_topk_prob", False)))}
+
+
+MIXTRAL_HF = {"model.layers.{i}.block_sparse_moe.gate.weight": "layers.{i}.feed_forward.gate.weight",
+              **{f"model.layers.{{i}}.block_sparse_moe.experts.{{e}}.{w}.weight":
+                 f"layers.{{i}}.feed_forward.experts.{{e}}.{w}.weight" for w in ("w1", "w2", "w3")}}
+MIXTRAL_FUSED = {
+    "model.layers.{i}.mlp.gate.weight": ("model.layers.{i}.block_sparse_moe.gate.weight",),
+    "model.layers.{i}.mlp.experts.gate_up_proj": ("model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
+                                                  "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight"),
+    "model.layers.{i}.mlp.experts.down_proj": ("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight",),
+}
+QWEN_MOE_HF = {"model.layers.{i}.mlp.gate.weight": "layers.{i}.feed_forward.gate.weight",
+               **{f"model.layers.{{i}}.mlp.experts.{{e}}.{hf}_proj.weight":
+                  f"layers.{{i}}.feed_forward.experts.{{e}}.{w}.weight" for hf, w in (("gate", "w1"), ("down", "w2"),
+                                                                                      ("up", "w3"))}}
+QWEN_MOE_FUSED = {
+    "model.layers.{i}.mlp.experts.gate_up_proj": ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+                                                  "model.layers.{i}.mlp.experts.{e}.up_proj.weight"),
+    "model.layers.{i}.mlp.experts.down_proj": ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",),
+}
+
+
 def _gemma3_gguf(meta: Callable, config: dict, source: str) -> dict:
     # llama.cpp's own rules for gemma3 (src/llama-model.cpp): every sixth layer global, local RoPE base 10000, and
     # the query scale of 1 / sqrt(head_dim), except for the 27B model (62 layers), whose is 1 / sqrt(dim / heads).
@@ -151,6 +203,10 @@ FAMILIES = (
            gguf_names={**QK_NORM_GGUF, "blk.{i}.post_attention_norm.weight": "layers.{i}.post_attention_norm.weight",
                        "blk.{i}.post_ffw_norm.weight": "layers.{i}.post_ffn_norm.weight"},
            hf_config=_gemma3_config, gguf_config=_gemma3_gguf, gguf_rotate_half=True, gguf_norm_shift=1.0),
+    Family("mixtral", ("MixtralForCausalLM",), ("mixtral",), hf_config=_mixtral_config, hf_experts=MIXTRAL_HF,
+           hf_fused=MIXTRAL_FUSED),
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), hf_names=QK_NORM_HF, hf_config=_qwen3_moe_config,
+           hf_experts=QWEN_MOE_HF, hf_fused=QWEN_MOE_FUSED),
 )
 HF_ARCHITECTURES = {arch: family for family in FAMILIES for arch in family.hf_architectures}
 HF_MODEL_TYPES = {kind: family for family in FAMILIES for kind in family.hf_model_types}

@@ -112,7 +112,12 @@ def language_model(weights: dict[str, torch.Tensor], config: dict, source: str, 
     layout. `family`: LLaMA's names unless given."""
     llama_type = family.llama_type if family else "llama"
     args = validated_args(config, source=config_source, llama_type=llama_type)
-    names = expand_templates(with_family_names(HF_TO_META, family.hf_names if family else {}), args.n_layers)
+    base, experts = HF_TO_META, args.experts.num_experts if args.experts else 0
+    if family and family.hf_experts:  # a mixture of experts instead of the dense MLP
+        base = {k: v for k, v in HF_TO_META.items() if ".feed_forward." not in v}
+        weights = unfused_experts(weights, family.hf_fused, args.n_layers, experts, source)
+    table = with_family_names(base, {**family.hf_names, **family.hf_experts} if family else {})
+    names = expand_templates(table, args.n_layers, experts)
     state_dict = rename_strict(weights, names, source, optional=frozenset({"output.weight"}))
     if args.tie_word_embeddings:
         _drop_tied_output(state_dict, source)
@@ -122,6 +127,31 @@ def language_model(weights: dict[str, torch.Tensor], config: dict, source: str, 
     check_shapes({name: tuple(t.shape) for name, t in state_dict.items()}, args, source, llama_type)
     rotate_half_to_interleaved(state_dict, args, hf_to_meta_qk)
     return state_dict
+
+
+def unfused_experts(weights: dict[str, torch.Tensor], fused: dict, n_layers: int, n_experts: int,
+                    source: str) -> dict[str, torch.Tensor]:
+    """`weights` with the experts of a layer held fused (transformers 5's in-memory form: `experts.gate_up_proj`
+    (E, 2 * hidden, dim) and `experts.down_proj` (E, dim, hidden)) split into the per-expert names save_pretrained
+    writes (their rows, in order: gate then up), so both forms import; a fused router name is renamed likewise.
+    The per-expert views share the fused tensors' storage (nothing is copied)."""
+    out = dict(weights)
+    for template, targets in fused.items():
+        for i in range(n_layers):
+            name = template.format(i=i)
+            if name not in out:
+                continue
+            tensor = out.pop(name)
+            if tensor.dim() == 2:  # the router: a rename
+                out[targets[0].format(i=i)] = tensor
+                continue
+            if tensor.shape[0] != n_experts or tensor.shape[1] % len(targets):
+                raise CheckpointError(f"{source}: {name} has shape {tuple(tensor.shape)}; expected ({n_experts} "
+                                      f"experts, a multiple of {len(targets)} rows, inputs)")
+            for e in range(n_experts):
+                for target, rows in zip(targets, tensor[e].chunk(len(targets))):
+                    out[target.format(i=i, e=e)] = rows
+    return out
 
 
 def rotate_half_to_interleaved(state_dict: dict, args, permute) -> None:
@@ -145,7 +175,7 @@ def config_from_hf(hf: dict, source: str) -> dict:
         raise ConfigError(f"{source}: missing key(s) {missing} that a {family.hf_architectures[0]} config needs")
     if hf.get("mlp_bias"):
         raise ConfigError(f"{source}: mlp_bias is true; MLP layers with biases are not supported")
-    if family.llama_type in ("llama", "mistral"):
+    if family.llama_type in ("llama", "mistral", "mixtral"):
         if hf.get("attention_bias"):
             raise ConfigError(f"{source}: attention_bias is true; LLaMA layers with biases are not supported")
     if family.llama_type != "gemma3" and hf.get("hidden_act", "silu") != "silu":

@@ -4,7 +4,7 @@ import importlib
 
 from accessory.errors import ConfigError
 
-LLAMA_TYPES = ("llama", "llama_peft", "llava", "qwen2", "qwen3", "mistral", "gemma3")
+LLAMA_TYPES = ("llama", "llama_peft", "llava", "qwen2", "qwen3", "mistral", "gemma3", "mixtral", "qwen3_moe")
 # LLaMA2-Accessory's multimodal types (adapters, Q-Former, SPHINX ensembles): refused by name.
 ACCESSORY_MULTIMODAL = ("llama_adapter", "llama_qformer", "llama_qformerv2", "llama_qformerv2_peft", "llama_ens",
                         "llama_ens5", "llama_ens5p2", "llama_ens10", "llama_ens_light", "llama_ens_peft")

@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from accessory.errors import ConfigError
-from accessory.model.components import (PLAIN, Attention, FeedForward, KVCache, Linears, RMSNorm, Segment,
-                                        decode_mask, prefill_mask, rope_frequencies, rope_table, window_prefill)
+from accessory.model.components import (PLAIN, Attention, FeedForward, KVCache, Linears, MoEConfig, MoEFeedForward,
+                                        RMSNorm, Segment, decode_mask, prefill_mask, rope_frequencies, rope_table,
+                                        window_prefill)
 from accessory.model.vision import ImagePlacement
 from accessory.parallel import ColumnParallelLinear, ParallelContext, ParallelEmbedding
-from accessory.quant.formats import GROUP, block_size
 from accessory.quant.weight import QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,9 @@ FIELD_RANGES = {
     "rope_theta": (float, 1.0, 1e12), "max_seq_len": (int, 1, 1 << 24), "head_dim": (int, 2, 1 << 12),
     "sliding_window": (int, 1, 1 << 24), "rope_local_theta": (float, 1.0, 1e12),
     "query_pre_attn_scalar": (float, 1e-6, 1e9), "final_logit_softcapping": (float, 1e-6, 1e9),
+    "load_balancing_weight": (float, 0.0, 1e6),
 }
+MOE_KEYS = {"num_experts": (int, 1, 1 << 12), "num_experts_per_tok": (int, 1, 1 << 12), "norm_topk_prob": (bool,)}
 LAYER_TYPES = ("full", "sliding")
 
 
@@ -59,6 +61,8 @@ def field_problem(name: str, value, type_name: Optional[str]) -> Optional[str]:
                                   "sliding_window", "layer_types", "rope_local_theta", "query_pre_attn_scalar",
                                   "final_logit_softcapping"):
         return None
+    if name == "moe":
+        return moe_problem(value)
     if name == "layer_types":
         ok = isinstance(value, list) and all(kind in LAYER_TYPES for kind in value)
         return None if ok else f"must be a list of {list(LAYER_TYPES)}, one per layer, got {value!r}"
@@ -74,6 +78,24 @@ def field_problem(name: str, value, type_name: Optional[str]) -> Optional[str]:
         if name == "vocab_size":
             return f"must be in [1, {high}] (or -1: from the tokenizer), got {value!r}"
         return f"must be in [{low}, {high}], got {value!r}"
+    return None
+
+
+def moe_problem(value) -> Optional[str]:
+    """Why `value` cannot be a `moe` config entry ({"num_experts": E, "num_experts_per_tok": k, optionally
+    "norm_topk_prob": true/false}), or None."""
+    expected = (f'must be {{"num_experts": E, "num_experts_per_tok": k (<= E)[, "norm_topk_prob": true|false]}}, '
+                f'got {value!r}')
+    if not isinstance(value, dict) or not {"num_experts", "num_experts_per_tok"} <= set(value) <= set(MOE_KEYS):
+        return expected
+    for key, item in value.items():
+        kind, *bounds = MOE_KEYS[key]
+        if kind is bool and not isinstance(item, bool):
+            return f"{key} must be true or false, got {item!r}"
+        if kind is int and (not isinstance(item, int) or isinstance(item, bool) or not bounds[0] <= item <= bounds[1]):
+            return f"{key} must be an integer in [{bounds[0]}, {bounds[1]}], got {item!r}"
+    if value["num_experts_per_tok"] > value["num_experts"]:
+        return f"num_experts_per_tok ({value['num_experts_per_tok']}) exceeds num_experts ({value['num_experts']})"
     return None
 
 
@@ -195,6 +217,11 @@ class ModelArgs:
         return None
 
     @property
+    def experts(self) -> Optional[MoEConfig]:
+        """The mixture of experts every layer's feed-forward is (mixtral, qwen3_moe), or None: a dense MLP."""
+        return None
+
+    @property
     def ffn_hidden_dim(self) -> int:
         if self.hidden_dim is not None:
             return self.hidden_dim
@@ -230,7 +257,10 @@ class TransformerBlock(nn.Module):
         super().__init__()
         norm = lambda: RMSNorm(args.dim, eps=args.norm_eps, offset=args.norm_offset)  # noqa: E731
         self.attention = Attention(args, ctx, linears, window)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, ctx, linears, args.hidden_act)
+        if args.experts is not None:
+            self.feed_forward = MoEFeedForward(args.dim, args.ffn_hidden_dim, args.experts, ctx, args.hidden_act)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, ctx, linears, args.hidden_act)
         self.attention_norm, self.ffn_norm = norm(), norm()
         self.post_attention_norm = self.post_ffn_norm = None
         if args.sandwich_norms:
@@ -255,9 +285,9 @@ class TransformerBlock(nn.Module):
         return x if norm is None else norm(x)
 
 
-# The weights of a block that quantization covers (LoRA factors, biases and norms stay float).
-BLOCK_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1",
-                 "feed_forward.w2", "feed_forward.w3")
+# The attention weights that quantization covers (with the feed-forward's: its `linear_names`; LoRA factors,
+# biases, norms and a mixture's router stay float).
+ATTENTION_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo")
 
 
 class Transformer(nn.Module):
@@ -310,12 +340,19 @@ class Transformer(nn.Module):
         quantized parts (not KV caches), each once (a tied output is tok_embeddings' tensor)."""
         return {name: t for name, t in self.state_dict(keep_vars=True).items() if self.checkpoint_key(name) == name}
 
+    def held_elsewhere(self) -> set[str]:
+        """Checkpoint names of this model's tensors that other ranks hold and this one does not (a mixture's experts
+        placed on other ranks): a checkpoint has them, and this rank does not load them."""
+        return {f"layers.{i}.feed_forward.{name}" for i, layer in enumerate(self.layers)
+                for name in layer.feed_forward.held_elsewhere()}
+
     # ---- quantization -----------------------------------------------------------------------------------------
 
     def quantization_plan(self, fmt: str) -> dict[str, str]:
         """Weight name -> format for `quant=fmt`: every block linear in `fmt`; the embedding table and the output
         projection in int8 (at 4 bits they cost the most quality for the least memory, as in llama.cpp's mixes)."""
-        plan = {f"layers.{i}.{linear}.weight": fmt for i in range(self.args.n_layers) for linear in BLOCK_LINEARS}
+        linears = [*ATTENTION_LINEARS, *(f"feed_forward.{name}" for name in self.layers[0].feed_forward.linear_names())]
+        plan = {f"layers.{i}.{linear}.weight": fmt for i in range(self.args.n_layers) for linear in linears}
         plan["tok_embeddings.weight"] = "int8"
         if not self.args.tie_word_embeddings:
             plan["output.weight"] = "int8"
@@ -323,13 +360,14 @@ class Transformer(nn.Module):
 
     def quantize_(self, formats: dict[str, str]) -> None:
         """Hold the named weights in those formats (on the meta device, before materialize and loading)."""
-        for i, layer in enumerate(self.layers):
-            if any(f"layers.{i}.feed_forward.{w}.weight" in formats for w in ("w1", "w2", "w3")):
-                w2 = formats.get(f"layers.{i}.feed_forward.w2.weight")  # its inputs are split on its blocks
-                layer.feed_forward.align_hidden(block_size(w2) if w2 else GROUP)
+        for i, layer in enumerate(self.layers):  # w2's inputs are split on its blocks, and w1's, w3's outputs alike
+            layer.feed_forward.align_for(formats, f"layers.{i}.feed_forward.")
         if self.args.tie_word_embeddings and "tok_embeddings.weight" in formats:
             formats = {**formats, "output.weight": formats["tok_embeddings.weight"]}
+        held_elsewhere = self.held_elsewhere()
         for name, fmt in formats.items():
+            if name in held_elsewhere:
+                continue  # an expert another rank holds
             layer_name = name.removesuffix(".weight")
             try:
                 if self.args.tie_word_embeddings and self.ctx.world_size == 1 and layer_name == "output":

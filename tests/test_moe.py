@@ -1,0 +1,275 @@
+"""Mixtures of experts (issue 21): tiny random Mixtral (4 experts, top 2) and Qwen3-MoE (8 experts, top 2, router
+weights not renormalised) built by transformers give its greedy tokens at 1, 2 and 4 ranks (experts whole per rank,
+split inside the experts, and both combined), eager and compiled; a Mixtral written in LLaMA2-Accessory's own
+2-shard expert-parallel layout (by hand here, not by our saver) loads at 1, 2 and 4 ranks; resharding 2 -> 4 -> 1 on
+disk keeps every tensor; routing keeps each token to its own experts; int8 experts keep the logits; transformers 5's
+fused in-memory experts import as its saved per-expert ones."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from test_hf_oracle import hf_greedy
+from tiny import greedy_ids, save_lively
+
+GEN_STEPS = 16
+SIZES = dict(vocab_size=32000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=256, rms_norm_eps=1e-6, num_experts_per_tok=2)
+# name -> (transformers config and model class, the config's own values). "mixtral3" and "mixtral6" have expert
+# counts no rank count here divides (3: split inside the experts at 2 ranks; 6 at 4 ranks: 2 groups of 2 ranks, 3
+# experts each, split in 2) and a hidden size of 100 that splits unevenly.
+MODELS = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, intermediate_size=128)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=8, moe_intermediate_size=64, intermediate_size=128, head_dim=32,
+                       norm_topk_prob=False)),
+    "mixtral3": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=3, intermediate_size=100)),
+    "mixtral6": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=6, intermediate_size=100)),
+}
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(7)
+    return [[1] + torch.randint(10, 32000, (n,), generator=generator).tolist() for n in (7, 40)]
+
+
+def build_hf(name: str, folder, tokenizer):
+    import transformers
+
+    config_class, model_class, own = MODELS[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**SIZES, **own)).eval()
+    return save_lively(model, name, folder, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, llama_tokenizer) -> dict:
+    """name -> (its HF model, the folder `accessory convert hf` made of it at 2 shards, transformers' tokens)."""
+    from accessory.checkpoint.convert import convert
+
+    root, out = tmp_path_factory.mktemp("moe"), {}
+    for name in MODELS:
+        model = build_hf(name, root / f"{name}-hf", llama_tokenizer)
+        folder = convert("hf", root / f"{name}-hf", root / name, shards=2)
+        out[name] = (model, folder, [hf_greedy(model, ids, GEN_STEPS) for ids in prompts()])
+    return out
+
+
+def our_tokens(folder, **options) -> list[list[int]]:
+    from accessory.model.meta import MetaModel
+
+    return greedy_ids(MetaModel.from_pretrained(str(folder), max_seq_len=128, **options), prompts(), GEN_STEPS)
+
+
+# ---- LLaMA2-Accessory's own layout, written by hand --------------------------------------------------------------
+
+# fairscale's split of each dense tensor over shards: column layers by output rows, row layers by input columns,
+# the embedding by features; norms and the router whole.
+def accessory_split(name: str):
+    if name.endswith(("wq.weight", "wk.weight", "wv.weight")) or name == "output.weight":
+        return 0
+    if name.endswith("wo.weight") or name == "tok_embeddings.weight":
+        return 1
+    return None
+
+
+def write_accessory_mixtral(canonical: dict, config: dict, folder, tokenizer, shards: int = 2) -> None:
+    """A Mixtral checkpoint as LLaMA2-Accessory's `mixtral` type saves it: consolidated.0r-of-0M.model.pth with
+    `llma.` names, shard r holding experts r*E/M .. (r+1)*E/M - 1 whole under their global ids, the router and norms
+    in every shard; its config.json keys; meta.json naming the type."""
+    import re
+
+    folder.mkdir()
+    experts = config["moe"]["num_experts"]
+    for rank in range(shards):
+        shard = {}
+        for name, tensor in canonical.items():
+            match = re.search(r"\.experts\.(\d+)\.", name)
+            if match:
+                if int(match.group(1)) * shards // experts == rank:
+                    shard["llma." + name] = tensor.clone()
+            elif (dim := accessory_split(name)) is None:
+                shard["llma." + name] = tensor.clone()
+            else:
+                shard["llma." + name] = tensor.chunk(shards, dim)[rank].clone()
+        torch.save(shard, folder / f"consolidated.{rank:02d}-of-{shards:02d}.model.pth")
+    keys = ("dim", "hidden_dim", "head_dim", "n_layers", "n_heads", "n_kv_heads", "norm_eps", "rope_theta", "moe")
+    accessory_config = {key: config[key] for key in keys}
+    accessory_config["moe"] = {k: config["moe"][k] for k in ("num_experts", "num_experts_per_tok")}
+    (folder / "config.json").write_text(json.dumps(accessory_config))
+    (folder / "meta.json").write_text(json.dumps({"llama_type": "mixtral"}))
+    (folder / "tokenizer.model").write_bytes(tokenizer.read_bytes())
+
+
+@pytest.fixture(scope="module")
+def accessory_mixtral(models, tmp_path_factory, llama_tokenizer):
+    from accessory.checkpoint.importers import read_hf
+
+    imported = read_hf(models["mixtral"][1].parent / "mixtral-hf")
+    folder = tmp_path_factory.mktemp("accessory") / "mixtral"
+    write_accessory_mixtral(imported.state_dict, {**imported.config, "head_dim": 16}, folder, llama_tokenizer)
+    return imported, folder
+
+
+# ---- one rank ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_equals_transformers_greedy_tokens(name, models):
+    _, folder, expected = models[name]
+    assert our_tokens(folder) == expected
+
+
+def test_compiled_equals_transformers(models):
+    """The compiled decode step (static dispatch: a batch of 2 rows makes 4 choices, all 4 experts run) and the
+    compiled batch-1 step (2 choices < 4 experts: the chosen experts' weights gathered by id)."""
+    from accessory.model.meta import MetaModel
+
+    _, folder, expected = models["mixtral"]
+    model = MetaModel.from_pretrained(str(folder), max_seq_len=128, compile=True)
+    assert greedy_ids(model, prompts(), GEN_STEPS) == expected
+    assert [greedy_ids(model, [ids], GEN_STEPS)[0] for ids in prompts()] == expected
+
+
+def test_accessory_layout_loads(accessory_mixtral, models):
+    """The hand-written LLaMA2-Accessory folder at 1 rank; `accessory convert hf` at 2 shards writes that layout."""
+    _, folder = accessory_mixtral
+    assert our_tokens(folder) == models["mixtral"][2]
+    ours = models["mixtral"][1]
+    for rank in range(2):
+        name = f"consolidated.{rank:02d}-of-02.model.pth"
+        theirs = torch.load(folder / name, weights_only=True, mmap=True)
+        mine = torch.load(ours / name, weights_only=True, mmap=True)
+        assert sorted(mine) == sorted(theirs)
+        assert all(torch.equal(mine[key], theirs[key]) for key in theirs)
+
+
+def test_reshard_two_four_one(accessory_mixtral, tmp_path):
+    """2 -> 4 -> 1 shards on disk: at 4, shard r holds expert r alone (whole) and the router; at 1, every tensor is
+    the original's."""
+    from accessory.checkpoint.reshard import reshard
+
+    imported, folder = accessory_mixtral
+    four = reshard(folder, tmp_path / "four", 4)
+    for rank in range(4):
+        shard = torch.load(four / f"consolidated.{rank:02d}-of-04.model.pth", weights_only=True, mmap=True)
+        experts = {key.split(".")[5] for key in shard if ".experts." in key}
+        assert experts == {str(rank)} and "llma.layers.1.feed_forward.gate.weight" in shard
+    one = reshard(four, tmp_path / "one", 1)
+    whole = torch.load(one / "consolidated.00-of-01.model.pth", weights_only=True, mmap=True)
+    assert sorted(whole) == sorted("llma." + key for key in imported.state_dict)
+    assert all(torch.equal(whole["llma." + key], tensor) for key, tensor in imported.state_dict.items())
+
+
+def test_int8_experts_keep_the_logits(models):
+    """quant="int8" quantizes every expert (the router stays float) and runs them through the same kernels."""
+    from accessory.model.meta import MetaModel
+
+    folder = models["qwen3_moe"][1]
+    ids = torch.tensor([prompts()[1]])
+    reference = MetaModel.from_pretrained(str(folder), max_seq_len=128).llma(ids)
+    model = MetaModel.from_pretrained(str(folder), max_seq_len=128, quant="int8")
+    assert model.llma.quantization["layers.1.feed_forward.experts.7.w2.weight"] == "int8"
+    assert "layers.1.feed_forward.gate.weight" not in model.llma.quantization
+    cosine = torch.nn.functional.cosine_similarity(reference.flatten(), model.llma(ids).flatten(), dim=0)
+    assert cosine > 0.999, cosine
+
+
+def test_fused_experts_import_as_saved(models):
+    """transformers 5 holds a layer's experts fused in memory (experts.gate_up_proj, experts.down_proj) and saves
+    them per expert: both forms import to the same tensors."""
+    from accessory.checkpoint.importers import read_hf
+    from accessory.checkpoint.importers.families import HF_ARCHITECTURES
+    from accessory.checkpoint.importers.hf import language_model
+
+    for name in ("mixtral", "qwen3_moe"):
+        model, folder, _ = models[name]
+        saved = read_hf(folder.parent / f"{name}-hf")
+        fused = {key: tensor.detach() for key, tensor in model.state_dict().items()}
+        assert any(key.endswith("experts.gate_up_proj") for key in fused)
+        family = HF_ARCHITECTURES[model.config.architectures[0]]
+        imported = language_model(fused, saved.config, "in memory", "config", family)
+        assert imported.keys() == saved.state_dict.keys()
+        assert all(torch.equal(imported[key], saved.state_dict[key]) for key in imported)
+
+
+def test_routing_keeps_tokens_to_their_experts():
+    """Two halves of a batch whose routers pick disjoint experts (0, 1 against 2, 3): each expert multiplies only
+    the tokens that chose it, and every dispatch (grouped, the static step's gather at one token and its all-experts
+    form at many) gives each half what it gives alone and what the router-weighted sum of the two experts gives."""
+    from accessory.model.components import MoEConfig, MoEFeedForward
+    from accessory.parallel import ParallelContext
+
+    dim, hidden = 32, 64
+    generator = torch.Generator().manual_seed(0)
+    moe = MoEFeedForward(dim, hidden, MoEConfig(4, 2), ParallelContext(None, 0, 1, 0))
+    moe.fuse()
+    for p in moe.parameters():
+        p.copy_(torch.randn(p.shape, generator=generator) / p.shape[-1] ** 0.5)
+    # the router reads feature 0 (experts 0, 1: weights 3, 1) and feature 1 (experts 2, 3)
+    moe.gate.weight.zero_()
+    moe.gate.weight[[0, 1], 0], moe.gate.weight[[2, 3], 1] = torch.tensor([3.0, 1.0]), torch.tensor([3.0, 1.0])
+    x = torch.randn(6, dim, generator=generator) * 0.1
+    x[:3, 0], x[3:, 1] = 4.0, 4.0
+
+    def reference(rows: torch.Tensor, experts: tuple[int, int]) -> torch.Tensor:
+        probs = torch.softmax(rows @ moe.gate.weight.T, dim=-1)[:, experts]
+        outs = []
+        for e in experts:
+            w = moe.experts[str(e)]
+            outs.append((torch.nn.functional.silu(rows @ w.w1.weight.T) * (rows @ w.w3.weight.T)) @ w.w2.weight.T)
+        return sum(p[:, None] * out for p, out in zip((probs / probs.sum(-1, keepdim=True)).T, outs))
+
+    seen = []
+    product = type(moe.w13).product
+    moe.w13.product = lambda rows, e: (seen.append((e, rows.shape[0])), product(moe.w13, rows, e))[1]
+    grouped = moe(x[None])[0]
+    assert sorted(seen) == [(0, 3), (1, 3), (2, 3), (3, 3)]  # each expert: its half's 3 tokens, once
+    del moe.w13.product
+    expected = torch.cat([reference(x[:3], (0, 1)), reference(x[3:], (2, 3))])
+    torch.testing.assert_close(grouped, expected)
+    torch.testing.assert_close(torch.cat([moe(x[:3]), moe(x[3:])]), expected)
+    weights, local = moe.route(x)
+    torch.testing.assert_close(moe._static(x, weights, local), expected)  # 12 choices >= 4 experts: all run
+    for row in (0, 5):  # 2 choices < 4 experts: the two chosen gathered
+        torch.testing.assert_close(moe._static(x[row:row + 1], weights[row:row + 1], local[row:row + 1]),
+                                   expected[row:row + 1])
+
+
+def test_a_bad_moe_config_is_refused(tmp_path):
+    from accessory.errors import ConfigError
+    from accessory.model.LLM.mixtral import ModelArgs
+
+    with pytest.raises(ConfigError, match="num_experts_per_tok \\(3\\) exceeds num_experts \\(2\\)"):
+        ModelArgs.from_dict({"moe": {"num_experts": 2, "num_experts_per_tok": 3}}, "config.json")
+    with pytest.raises(ConfigError, match="config.json: moe must be"):
+        ModelArgs.from_dict({"moe": {"experts": 8}}, "config.json")
+
+
+# ---- several ranks: one spawn per rank count ---------------------------------------------------------------------
+
+def tokens_of(folders: dict) -> dict:
+    return {name: our_tokens(folder) for name, folder in folders.items()}
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_ranks_equal_transformers(ranks, models, accessory_mixtral, tmp_path):
+    """At 2 ranks: Mixtral's and Qwen3-MoE's experts whole per rank (2 and 4 each), mixtral3's split inside the
+    experts; at 4: one and two whole experts per rank, mixtral6 in 2 groups of 2 ranks (3 experts each, split in 2),
+    KV heads replicated. The hand-written LLaMA2-Accessory folder at both, and its 4-shard reshard at 4."""
+    from accessory.checkpoint.reshard import reshard
+
+    names = ["mixtral", "qwen3_moe", "mixtral3" if ranks == 2 else "mixtral6"]
+    folders = {name: models[name][1] for name in names}
+    folders["accessory"] = accessory_mixtral[1]
+    if ranks == 4:
+        folders["four shards"] = reshard(accessory_mixtral[1], tmp_path / "four", 4)
+    expected = {name: models[name][2] for name in names}
+    expected["accessory"] = expected["four shards"] = models["mixtral"][2]
+    results = run_ranks(ranks, tokens_of, folders)
+    for rank, result in enumerate(results):
+        assert not isinstance(result, Exception), result.rank_traceback
+        for name in folders:
+            assert result[name] == expected[name], f"{name} at rank {rank} of {ranks}"

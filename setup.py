@@ -24,8 +24,8 @@ setup(
     python_requires=">=3.10",
     # torch is pinned in requirements.txt (installed in the same pip command); any recent torch works here.
     # Each extra is what that part imports (tests/test_packaging.py checks them against the imports).
-    install_requires=["torch>=2.4", "numpy", "sentencepiece", "tokenizers", "safetensors", "jinja2", "markupsafe", "tqdm",
-                      "gguf", "transformers", "pyyaml", "llguidance", "pillow"],
+    install_requires=["torch>=2.4", "numpy", "sentencepiece", "tokenizers", "safetensors", "jinja2", "markupsafe",
+                      "tqdm", "gguf", "transformers", "pyyaml", "llguidance", "pillow"],
     extras_require={
         "serve": ["fastapi", "uvicorn", "pydantic", "starlette", "prometheus_client"],  # accessory serve
         "demo": ["gradio"],  # demos/

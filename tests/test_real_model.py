@@ -64,18 +64,14 @@ def greedy_tokens(folder) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def hf_greedy_on_gguf(smollm2_gguf, smollm2_checkpoint):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
-                                                 dtype=torch.float32).eval()
+def hf_greedy_on_gguf(smollm2_hf, smollm2_checkpoint):
     from accessory.model.tokenizer import Tokenizer
 
     ids = Tokenizer.from_path(smollm2_checkpoint).encode_chat(QUESTION)
     tokens = torch.tensor([ids])
     with torch.no_grad():
         for _ in range(GEN_STEPS):
-            tokens = torch.cat([tokens, model(tokens).logits[:, -1:].argmax(-1)], dim=1)
+            tokens = torch.cat([tokens, smollm2_hf(tokens).logits[:, -1:].argmax(-1)], dim=1)
     return ids, tokens[0, len(ids):].tolist()
 
 

@@ -75,6 +75,46 @@ def _dequantized_product(x, fmt, q, scale, minimum) -> torch.Tensor:
     return torch.cat(outs, dim=-1)
 
 
+def expert_product(x: torch.Tensor, fmt: Optional[str], parts: dict[str, torch.Tensor],
+                   expert: torch.Tensor) -> torch.Tensor:
+    """x (..., in) @ W_e^T for W_e the weight of expert `expert` (a (1,) tensor, on the device) in a stack of experts'
+    weights: `parts` {"weight": (E, out, in)} float, or the quantized parts of `fmt` stacked (E, ...). For a step that
+    must not sync with the host (compiled, CUDA graphs). On the CPU an operator reads the index and multiplies by that
+    expert's weights in place (one expert read, the compiler sees an opaque call); elsewhere the expert's weights are
+    gathered first (a copy of one expert: a CUDA graph can hold no host read)."""
+    if x.device.type == "cpu":
+        if fmt is None:
+            return torch.ops.accessory.expert_linear(x, parts["weight"], expert)
+        return torch.ops.accessory.expert_quantized_linear(x, fmt, parts["q"], parts.get("scale"), parts.get("min"),
+                                                           expert)
+    chosen = {name: part.index_select(0, expert)[0] for name, part in parts.items()}
+    if fmt is None:
+        return linear(x, chosen["weight"])
+    return quantized_linear(x, fmt, chosen["q"], chosen.get("scale"), chosen.get("min"))
+
+
+@torch.library.custom_op("accessory::expert_linear", mutates_args=())
+def _expert_linear(x: torch.Tensor, weights: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+    return linear(x, weights[int(expert)])
+
+
+@_expert_linear.register_fake
+def _(x, weights, expert):
+    return x.new_empty((*x.shape[:-1], weights.shape[1]))
+
+
+@torch.library.custom_op("accessory::expert_quantized_linear", mutates_args=())
+def _expert_quantized_linear(x: torch.Tensor, fmt: str, q: torch.Tensor, scale: Optional[torch.Tensor],
+                             minimum: Optional[torch.Tensor], expert: torch.Tensor) -> torch.Tensor:
+    e = int(expert)
+    return quantized_linear(x, fmt, q[e], None if scale is None else scale[e], None if minimum is None else minimum[e])
+
+
+@_expert_quantized_linear.register_fake
+def _(x, fmt, q, scale, minimum, expert):
+    return x.new_empty((*x.shape[:-1], q.shape[1]))
+
+
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                      mask: torch.Tensor) -> torch.Tensor:
     """Attention of one new token per cache row: q (B, 1, H, D); keys and values the whole caches (rows, H_kv, S, D);

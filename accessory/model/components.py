@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from accessory.errors import ConfigError
-from accessory.kernels import decode_attention, linear, quantized_linear
+from accessory.kernels import decode_attention, expert_product, linear, quantized_linear
 from accessory.parallel import (ColumnParallelLinear, ExpertLinear, FusedColumns, ParallelContext, RowParallelLinear,
                                 expert_placement)
 from accessory.quant.formats import GROUP, PARTS, block_size
@@ -434,12 +434,11 @@ class ExpertStack(nn.Module):
                         layer.weight = nn.Parameter(view, requires_grad=False)
 
     def product(self, x: torch.Tensor, expert: Union[int, torch.Tensor]) -> torch.Tensor:
-        """x (..., in) @ W_e^T for local expert `expert`: an int (a view, nothing copied), or a (1,) tensor (its
-        weights gathered: the static step's choice, read without a host sync)."""
-        if isinstance(expert, int):
-            parts = {name: getattr(self, name)[expert] for name in self.names}
-        else:
-            parts = {name: getattr(self, name).index_select(0, expert)[0] for name in self.names}
+        """x (..., in) @ W_e^T for local expert `expert`: an int (a view, nothing copied), or a (1,) tensor (the
+        static step's choice, read without a host sync: kernels' `expert_product`)."""
+        if not isinstance(expert, int):
+            return expert_product(x, self.fmt, {name: getattr(self, name) for name in self.names}, expert)
+        parts = {name: getattr(self, name)[expert] for name in self.names}
         if self.fmt is None:
             return linear(x, parts["weight"])
         return quantized_linear(x, self.fmt, parts["q"], parts.get("scale"), parts.get("min"))

@@ -122,6 +122,16 @@ def test_equals_transformers_greedy_tokens(name, models):
     assert our_tokens(folder) == expected
 
 
+def test_an_hf_folder_loads_directly(models, tmp_path, monkeypatch):
+    """`from_pretrained` of the Qwen3-MoE HF folder itself (imported once into the cache)."""
+    from accessory.model.meta import MetaModel
+
+    monkeypatch.setenv("ACCESSORY_CACHE", str(tmp_path))
+    _, folder, expected = models["qwen3_moe"]
+    model = MetaModel.from_pretrained(str(folder.parent / "qwen3_moe-hf"), max_seq_len=128)
+    assert model.llama_type == "qwen3_moe" and greedy_ids(model, prompts(), GEN_STEPS) == expected
+
+
 def test_compiled_equals_transformers(models):
     """The compiled decode step (static dispatch: a batch of 2 rows makes 4 choices, all 4 experts run) and the
     compiled batch-1 step (2 choices < 4 experts: the chosen experts' weights gathered by id)."""

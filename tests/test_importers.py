@@ -50,19 +50,12 @@ def smol_ours(tmp_path_factory) -> ImportedModel:
     return read_gguf(_smollm2(), tmp_path_factory.mktemp("smol_tokenizer"))
 
 
-@pytest.fixture(scope="module")
-def smol_hf():
-    from transformers import AutoModelForCausalLM
-    path = _smollm2()
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-
-
-def test_gguf_weights_equal_transformers(smol_ours, smol_hf):
+def test_gguf_weights_equal_transformers(smol_ours, smollm2_hf):
     """Pins that llama.cpp stores q/k in Meta's interleaved layout: transformers' GGUF loader applies HF's
     permutation to attn_q / attn_k, and so must we to reach its tensors; any other weight is taken as stored."""
     c = smol_ours.config
     ours = _to_hf(smol_ours.state_dict, c["n_layers"], c["n_heads"], c["n_kv_heads"])
-    theirs = {k: v for k, v in smol_hf.state_dict().items() if k != "lm_head.weight"}  # tied: same tensor
+    theirs = {k: v for k, v in smollm2_hf.state_dict().items() if k != "lm_head.weight"}  # tied: same tensor
     assert sorted(ours) == sorted(theirs)
     for name, w in theirs.items():  # both dequantize with gguf.quants: equal, but allow 1e-6
         assert ours[name].dtype == torch.float32 and ours[name].shape == w.shape, name
@@ -72,8 +65,8 @@ def test_gguf_weights_equal_transformers(smol_ours, smol_hf):
     assert not torch.allclose(wq, theirs["model.layers.0.self_attn.q_proj.weight"])
 
 
-def test_gguf_config_equals_transformers(smol_ours, smol_hf):
-    hf = smol_hf.config
+def test_gguf_config_equals_transformers(smol_ours, smollm2_hf):
+    hf = smollm2_hf.config
     assert smol_ours.config == {
         "dim": hf.hidden_size, "n_layers": hf.num_hidden_layers, "n_heads": hf.num_attention_heads,
         "n_kv_heads": hf.num_key_value_heads, "vocab_size": hf.vocab_size, "hidden_dim": hf.intermediate_size,

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Collection, Iterator, Optional
 
 import torch
+import torch.fx.experimental._config as fx_config
 
 from accessory.errors import ConfigError, RanksDisagree
 from accessory.generation.prefix import RetainedRows, plan_reuse, waves
@@ -394,13 +395,23 @@ def compiled(decode, device: torch.device):
 
     Guards: dynamo re-checks every module attribute the step reads on every call (about 1 ms here). Only tensor
     guards are kept, on every tensor but the parameters (the inputs, the KV cache, the quantized weights): a
-    loaded model's parameters and attributes never change, and whatever else might is a tensor."""
+    loaded model's parameters and attributes never change, and whatever else might is a tensor.
+
+    Sizes: the rows decoded and the KV cache's rows are independent, though often equal when a graph is traced;
+    without duck shapes they get symbols of their own (else the graph took them for one size, and a later call where
+    they differ failed its size checks: guards on sizes are among those dropped)."""
     options = {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}
     if device.type == "cuda":
         options["triton.cudagraphs"] = True
     else:
         options["cpp_wrapper"] = True
-    return torch.compile(decode, fullgraph=True, dynamic=True, options=options)
+    step = torch.compile(decode, fullgraph=True, dynamic=True, options=options)
+
+    def call(*args):
+        with fx_config.patch(use_duck_shape=False):
+            return step(*args)
+
+    return call
 
 
 def _where(place: int) -> str:

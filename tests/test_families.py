@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from test_hf_oracle import hf_greedy
+from test_hf_oracle import converted_hf_models, hf_greedy
 from tiny import FAMILY_CONFIGS, WINDOW, build_tiny_family, greedy_ids
 
 GEN_STEPS = 24
@@ -24,14 +24,8 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def families(tmp_path_factory, llama_tokenizer) -> dict:
     """family -> (its HF model, the folder `accessory convert hf` made of it, transformers' greedy tokens)."""
-    from accessory.checkpoint.convert import convert
-
-    root, out = tmp_path_factory.mktemp("families"), {}
-    for family in FAMILIES:
-        model = build_tiny_family(family, root / f"{family}-hf", llama_tokenizer)
-        folder = convert("hf", root / f"{family}-hf", root / family, shards=2)
-        out[family] = (model, folder, [hf_greedy(model, ids, GEN_STEPS) for ids in prompts()])
-    return out
+    return converted_hf_models(FAMILIES, build_tiny_family, tmp_path_factory.mktemp("families"), llama_tokenizer,
+                               prompts(), GEN_STEPS)
 
 
 def our_tokens(folder, **options) -> list[list[int]]:

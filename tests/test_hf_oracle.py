@@ -54,6 +54,19 @@ def hf_greedy(model, ids: list[int], steps: int) -> list[int]:
     return tokens[0, len(ids):].tolist()
 
 
+def converted_hf_models(names, build, root, tokenizer, prompts: list[list[int]], steps: int) -> dict:
+    """name -> (the HF model `build(name, folder, tokenizer)` saved, the folder `accessory convert hf` made of it at
+    2 shards, transformers' greedy tokens of each prompt)."""
+    from accessory.checkpoint.convert import convert
+
+    out = {}
+    for name in names:
+        model = build(name, root / f"{name}-hf", tokenizer)
+        folder = convert("hf", root / f"{name}-hf", root / name, shards=2)
+        out[name] = (model, folder, [hf_greedy(model, ids, steps) for ids in prompts])
+    return out
+
+
 def our_logits_and_tokens(folder):
     from accessory.model.meta import MetaModel
 

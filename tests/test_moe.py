@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from test_hf_oracle import hf_greedy
+from test_hf_oracle import converted_hf_models
 from tiny import greedy_ids, save_lively
 
 GEN_STEPS = 16
@@ -56,14 +56,8 @@ def build_hf(name: str, folder, tokenizer):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, llama_tokenizer) -> dict:
     """name -> (its HF model, the folder `accessory convert hf` made of it at 2 shards, transformers' tokens)."""
-    from accessory.checkpoint.convert import convert
-
-    root, out = tmp_path_factory.mktemp("moe"), {}
-    for name in MODELS:
-        model = build_hf(name, root / f"{name}-hf", llama_tokenizer)
-        folder = convert("hf", root / f"{name}-hf", root / name, shards=2)
-        out[name] = (model, folder, [hf_greedy(model, ids, GEN_STEPS) for ids in prompts()])
-    return out
+    return converted_hf_models(MODELS, build_hf, tmp_path_factory.mktemp("moe"), llama_tokenizer, prompts(),
+                               GEN_STEPS)
 
 
 def our_tokens(folder, **options) -> list[list[int]]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import queue
 import signal
 import sys
 import threading
@@ -344,25 +343,41 @@ _STILL_WAITING = ("still waiting",)
 
 def _next_line(ctx):
     """The user's next line (None to end) on every rank. The other ranks wait for it in a collective, which would
-    time out if the user took long: the source rank reads the terminal in a thread and sends a keep-alive
-    meanwhile."""
+    time out if the user took long: meanwhile the source rank sends a keep-alive from a thread. The main thread does
+    the reading, so the terminal's Ctrl-C interrupts the read itself (Python runs signal handlers there)."""
     if not ctx.is_source:
         while True:
             line = ctx.broadcast_object(None)
             if line != _STILL_WAITING:
                 return line
-    typed = queue.Queue()
-    threading.Thread(target=lambda: typed.put(_read_line("user> ")), daemon=True).start()
-    while True:
-        try:
-            line = typed.get(timeout=KEEPALIVE_S)
-        except queue.Empty:
-            ctx.broadcast_object(_STILL_WAITING)
-            continue
-        except KeyboardInterrupt:  # Ctrl-C while the user types: the end, for every rank
-            print(flush=True)
-            line = None
-        return ctx.broadcast_object(line)
+    if ctx.world_size == 1:
+        return _read_line("user> ")
+    with _KeepAlive(ctx):
+        line = _read_line("user> ")
+    return ctx.broadcast_object(line)
+
+
+class _KeepAlive:
+    """While the source rank waits for the user, tell the other ranks every KEEPALIVE_S that it is still waiting;
+    leaving the block stops it before the next broadcast (so the line itself follows in order)."""
+
+    def __init__(self, ctx):
+        self.ctx, self.stopped, self.sending = ctx, threading.Event(), threading.Lock()
+        self.thread = threading.Thread(target=self._run, name="accessory-keepalive", daemon=True)
+
+    def _run(self) -> None:
+        while not self.stopped.wait(KEEPALIVE_S):
+            with self.sending:
+                if not self.stopped.is_set():
+                    self.ctx.broadcast_object(_STILL_WAITING)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopped.set()
+        self.thread.join()
 
 
 def _read_line(prompt: str):

@@ -177,7 +177,7 @@ def test_llama3_rope_freqs_recovered_and_refused():
 def test_gguf_wrong_architecture(tmp_path):
     _write_gguf(tmp_path / "q.gguf", {}, arch="bert")
     with pytest.raises(CheckpointError, match=r"q\.gguf: general\.architecture is 'bert'; these GGUF architectures "
-                                              r"can be imported: \['gemma3', 'llama', 'qwen2', 'qwen3'\]"):
+                                              r"can be imported: \['gemma3', 'llama', 'qwen2', 'qwen3', 'qwen3moe'\]"):
         read_gguf(tmp_path / "q.gguf", tmp_path / "tok")
 
 

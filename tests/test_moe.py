@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from test_hf_oracle import converted_hf_models
+from test_hf_oracle import converted_hf_models, hf_greedy
 from tiny import greedy_ids, save_lively
 
 GEN_STEPS = 16
@@ -114,6 +114,51 @@ def accessory_mixtral(models, tmp_path_factory, llama_tokenizer):
     folder = tmp_path_factory.mktemp("accessory") / "mixtral"
     write_accessory_mixtral(imported.state_dict, {**imported.config, "head_dim": 16}, folder, llama_tokenizer)
     return imported, folder
+
+
+# ---- llama.cpp's GGUF files -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gguf_models(models, tmp_path_factory) -> dict:
+    """name -> (a GGUF file written as llama.cpp's converter writes it, the oracle's greedy tokens and logits on the
+    longer prompt). Mixtral: architecture llama with experts, float32, so the oracle is the HF model itself.
+    Qwen3-MoE: experts in Q8_0 (kept as int8 by us), and the oracle is transformers reading the same file
+    (dequantized; llama.cpp renormalises its router weights, and so does transformers' GGUF reader)."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    from llama_cpp_gguf import write_llama_cpp_gguf
+
+    root, ids = tmp_path_factory.mktemp("gguf"), torch.tensor([prompts()[1]])
+    mixtral = write_llama_cpp_gguf(models["mixtral"][1].parent / "mixtral-hf", root / "mixtral.gguf",
+                                   gguf.MODEL_ARCH.LLAMA)
+    qwen = write_llama_cpp_gguf(models["qwen3_moe"][1].parent / "qwen3_moe-hf", root / "qwen3_moe.gguf",
+                                gguf.MODEL_ARCH.QWEN3MOE, expert_type=gguf.GGMLQuantizationType.Q8_0)
+    # transformers' GGUF reader skips expert_feed_forward_length (its default is Qwen3-30B-A3B's): given here
+    qwen_hf = AutoModelForCausalLM.from_pretrained(str(root), gguf_file=qwen.name, dtype=torch.float32,
+                                                   moe_intermediate_size=MODELS["qwen3_moe"][2]["moe_intermediate_size"])
+    qwen_hf.eval()
+    assert qwen_hf.config.norm_topk_prob
+    with torch.no_grad():
+        return {"mixtral gguf": (mixtral, models["mixtral"][2], models["mixtral"][0](ids).logits),
+                "qwen3_moe gguf": (qwen, [hf_greedy(qwen_hf, p, GEN_STEPS) for p in prompts()],
+                                   qwen_hf(ids).logits)}
+
+
+@pytest.mark.parametrize("name", ["mixtral gguf", "qwen3_moe gguf"])
+def test_llama_cpp_gguf_equals_its_oracle(name, gguf_models):
+    """llama.cpp's stacked experts split per expert, q/k in each architecture's layout, the moe config from the
+    metadata; Q8_0 experts kept in their blocks."""
+    from accessory.model.meta import MetaModel
+
+    path, tokens, logits = gguf_models[name]
+    model = MetaModel.from_pretrained(str(path), max_seq_len=128)
+    assert model.llama_type == name.split()[0]
+    assert greedy_ids(model, prompts(), GEN_STEPS) == tokens
+    with torch.no_grad():
+        torch.testing.assert_close(model.llma(torch.tensor([prompts()[1]])), logits, atol=1e-4, rtol=1e-4)
+    if name == "qwen3_moe gguf":
+        assert model.llma.quantization["layers.1.feed_forward.experts.7.w2.weight"] == "int8"
 
 
 # ---- one rank ----------------------------------------------------------------------------------------------------
@@ -297,10 +342,11 @@ def tokens_of(folders: dict) -> dict:
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_ranks_equal_transformers(ranks, models, accessory_mixtral, tmp_path):
+def test_ranks_equal_transformers(ranks, models, accessory_mixtral, gguf_models, tmp_path):
     """At 2 ranks: Mixtral's and Qwen3-MoE's experts whole per rank (2 and 4 each), mixtral3's split inside the
     experts; at 4: one and two whole experts per rank, mixtral6 in 2 groups of 2 ranks (3 experts each, split in 2),
-    KV heads replicated. The hand-written LLaMA2-Accessory folder at both, and its 4-shard reshard at 4."""
+    KV heads replicated. The hand-written LLaMA2-Accessory folder at both, and its 4-shard reshard at 4. The
+    Qwen3-MoE GGUF (Q8_0 experts, kept) at 2."""
     from accessory.checkpoint.reshard import reshard
 
     names = ["mixtral", "qwen3_moe", "mixtral3" if ranks == 2 else "mixtral6"]
@@ -312,6 +358,9 @@ def test_ranks_equal_transformers(ranks, models, accessory_mixtral, tmp_path):
     with torch.no_grad():
         expected = {name: (models[name][2], models[name][0](ids).logits) for name in names}
     expected["accessory"] = expected["four shards"] = expected["mixtral"]
+    if ranks == 2:
+        path, tokens, logits = gguf_models["qwen3_moe gguf"]
+        folders["qwen3_moe gguf"], expected["qwen3_moe gguf"] = path, (tokens, logits)
     results = run_ranks(ranks, tokens_of, folders)
     for rank, result in enumerate(results):
         assert not isinstance(result, Exception), result.rank_traceback
@@ -319,3 +368,19 @@ def test_ranks_equal_transformers(ranks, models, accessory_mixtral, tmp_path):
             tokens, logits = result[name]
             assert tokens == expected[name][0], f"{name} at rank {rank} of {ranks}"
             torch.testing.assert_close(logits, expected[name][1], atol=1e-4, rtol=1e-4, msg=f"{name} at {rank}")
+
+
+def test_gguf_families_by_architecture_and_experts():
+    """llama.cpp writes Mixtral as architecture llama with experts; an architecture is refused with experts it does
+    not have (and without those it needs), naming the file."""
+    from accessory.checkpoint.importers.families import gguf_family
+    from accessory.errors import CheckpointError
+
+    assert gguf_family("llama", 8, "m.gguf").llama_type == "mixtral"
+    assert gguf_family("llama", 0, "m.gguf").llama_type == "llama"
+    assert gguf_family("qwen3moe", 128, "q.gguf").llama_type == "qwen3_moe"
+    with pytest.raises(CheckpointError, match=r"q\.gguf: general\.architecture 'qwen3' with expert_count 8 is not "
+                                              r"supported; 'qwen3' files are imported without experts"):
+        gguf_family("qwen3", 8, "q.gguf")
+    with pytest.raises(CheckpointError, match=r"q\.gguf: general\.architecture 'qwen3moe' with expert_count 0"):
+        gguf_family("qwen3moe", 0, "q.gguf")

@@ -50,6 +50,10 @@ class Family:
     hf_experts: dict = field(default_factory=dict)
     hf_fused: dict = field(default_factory=dict)
 
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.hf_experts)
+
 
 # ---- sliding windows, as HF configs write them ---------------------------------------------------------------------
 
@@ -166,6 +170,38 @@ QWEN_MOE_FUSED = {
 }
 
 
+# llama.cpp's names for a mixture (every MoE architecture alike): the router, and each expert's w1 / w2 / w3. Its
+# files stack a layer's experts into one `ffn_{gate,down,up}_exps` tensor (E, out, in); the importer splits them into
+# these per-expert names, which llama.cpp's older Mixtral files used as they are.
+MOE_GGUF = {"blk.{i}.ffn_gate_inp.weight": "layers.{i}.feed_forward.gate.weight",
+            **{f"blk.{{i}}.ffn_{gguf}.{{e}}.weight": f"layers.{{i}}.feed_forward.experts.{{e}}.{w}.weight"
+               for gguf, w in (("gate", "w1"), ("down", "w2"), ("up", "w3"))}}
+GGUF_GATING_SOFTMAX = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+
+
+def _moe_gguf(meta: Callable, config: dict, source: str, arch: str) -> dict:
+    """The `moe` entry (and each expert's hidden size) from a GGUF's metadata. llama.cpp renormalises the top-k
+    router weights of Mixtral and Qwen3-MoE unless the file says otherwise (`expert_weights_norm`)."""
+    if meta(f"{arch}.expert_shared_count", 0):
+        raise ConfigError(f"{source}: {arch}.expert_shared_count is {meta(f'{arch}.expert_shared_count')}; shared "
+                          f"experts are not supported")
+    gating = meta(f"{arch}.expert_gating_func", GGUF_GATING_SOFTMAX)
+    if gating != GGUF_GATING_SOFTMAX:
+        raise ConfigError(f"{source}: {arch}.expert_gating_func is {gating}; only softmax routing "
+                          f"({GGUF_GATING_SOFTMAX}) is supported")
+    moe = {"num_experts": meta(f"{arch}.expert_count"), "num_experts_per_tok": meta(f"{arch}.expert_used_count"),
+           "norm_topk_prob": bool(meta(f"{arch}.expert_weights_norm", True))}
+    return {"hidden_dim": meta(f"{arch}.expert_feed_forward_length", config["hidden_dim"]), "moe": moe}
+
+
+def _mixtral_gguf(meta: Callable, config: dict, source: str) -> dict:
+    return _moe_gguf(meta, config, source, "llama")
+
+
+def _qwen3_moe_gguf(meta: Callable, config: dict, source: str) -> dict:
+    return {**_qwen_gguf("qwen3moe")(meta, config, source), **_moe_gguf(meta, config, source, "qwen3moe")}
+
+
 def _gemma3_gguf(meta: Callable, config: dict, source: str) -> dict:
     # llama.cpp's own rules for gemma3 (src/llama-model.cpp): every sixth layer global, local RoPE base 10000, and
     # the query scale of 1 / sqrt(head_dim), except for the 27B model (62 layers), whose is 1 / sqrt(dim / heads).
@@ -203,14 +239,17 @@ FAMILIES = (
            gguf_names={**QK_NORM_GGUF, "blk.{i}.post_attention_norm.weight": "layers.{i}.post_attention_norm.weight",
                        "blk.{i}.post_ffw_norm.weight": "layers.{i}.post_ffn_norm.weight"},
            hf_config=_gemma3_config, gguf_config=_gemma3_gguf, gguf_rotate_half=True, gguf_norm_shift=1.0),
-    Family("mixtral", ("MixtralForCausalLM",), ("mixtral",), hf_config=_mixtral_config, hf_experts=MIXTRAL_HF,
-           hf_fused=MIXTRAL_FUSED),
-    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), hf_names=QK_NORM_HF, hf_config=_qwen3_moe_config,
-           hf_experts=QWEN_MOE_HF, hf_fused=QWEN_MOE_FUSED),
+    # llama.cpp writes Mixtral as architecture "llama" with experts
+    Family("mixtral", ("MixtralForCausalLM",), ("mixtral",), "llama", gguf_names=MOE_GGUF, hf_config=_mixtral_config,
+           gguf_config=_mixtral_gguf, hf_experts=MIXTRAL_HF, hf_fused=MIXTRAL_FUSED),
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), "qwen3moe", hf_names=QK_NORM_HF,
+           gguf_names={**QK_NORM_GGUF, **MOE_GGUF}, hf_config=_qwen3_moe_config, gguf_config=_qwen3_moe_gguf,
+           gguf_rotate_half=True, hf_experts=QWEN_MOE_HF, hf_fused=QWEN_MOE_FUSED),
 )
 HF_ARCHITECTURES = {arch: family for family in FAMILIES for arch in family.hf_architectures}
 HF_MODEL_TYPES = {kind: family for family in FAMILIES for kind in family.hf_model_types}
-GGUF_ARCHITECTURES = {family.gguf_arch: family for family in FAMILIES if family.gguf_arch}
+# (general.architecture, has experts) -> family
+GGUF_ARCHITECTURES = {(family.gguf_arch, family.is_moe): family for family in FAMILIES if family.gguf_arch}
 
 
 def hf_family(hf: dict, source: str) -> Family:
@@ -225,11 +264,22 @@ def hf_family(hf: dict, source: str) -> Family:
     return HF_ARCHITECTURES[architectures[0]]
 
 
-def gguf_family(architecture, source: str) -> Family:
-    if architecture not in GGUF_ARCHITECTURES:
+def gguf_family(architecture, n_experts: int, source: str) -> Family:
+    """The family of a GGUF file, by its architecture and whether it has experts (`ARCH.expert_count`)."""
+    if (architecture, n_experts > 0) not in GGUF_ARCHITECTURES:
+        known = sorted({arch for arch, _ in GGUF_ARCHITECTURES})
+        if architecture in known:
+            raise CheckpointError(f"{source}: general.architecture {architecture!r} with expert_count {n_experts} "
+                                  f"is not supported; {architecture!r} files are imported "
+                                  f"{'with' if n_experts == 0 else 'without'} experts")
         raise CheckpointError(f"{source}: general.architecture is {architecture!r}; these GGUF architectures can be "
-                              f"imported: {sorted(GGUF_ARCHITECTURES)} (Mistral's files say 'llama')")
-    return GGUF_ARCHITECTURES[architecture]
+                              f"imported: {known} (Mistral's and Mixtral's files say 'llama')")
+    return GGUF_ARCHITECTURES[architecture, n_experts > 0]
+
+
+def without_dense_mlp(table: dict) -> dict:
+    """LLaMA's name table without its dense MLP (a mixture of experts has experts instead)."""
+    return {k: v for k, v in table.items() if ".feed_forward." not in v}
 
 
 def with_family_names(base: dict, extra: dict) -> dict:

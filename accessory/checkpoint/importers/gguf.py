@@ -1,4 +1,5 @@
-"""llama.cpp GGUF files (architectures llama, qwen2, qwen3, gemma3) -> canonical form, dequantized to float32 by the `gguf` package, or
+"""llama.cpp GGUF files (architectures llama, qwen2, qwen3, gemma3; mixtures: llama with experts (Mixtral),
+qwen3moe) -> canonical form, dequantized to float32 by the `gguf` package, or
 with `keep_quantized` keeping Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K and Q6_K matrices' bits in our formats
 (quant/formats.py):
 
@@ -19,11 +20,15 @@ interleaved RoPE layout before writing, so attn_q / attn_k are taken as they are
 against transformers' GGUF loader, which applies the HF permutation on top of the stored tensors). qwen2, qwen3 and
 gemma3 run on llama.cpp's NEOX RoPE: their q/k stay in HF's rotate-half layout and are permuted here, as from HF;
 gemma3's norm weights were stored as 1 + w (families.py says what each architecture needs).
+
+A mixture's experts are stacked by llama.cpp into one tensor per projection and layer (`ffn_gate_exps` (E, out,
+in)); they are split into one matrix per expert (a quantized stack into each expert's blocks, kept as they are).
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -35,7 +40,7 @@ from tqdm import tqdm
 
 from accessory.checkpoint.importers.common import (ImportedModel, check_shapes, expand_templates, rename_strict,
                                             validated_args)
-from accessory.checkpoint.importers.families import gguf_family, with_family_names
+from accessory.checkpoint.importers.families import gguf_family, with_family_names, without_dense_mlp
 from accessory.checkpoint.importers.hf import hf_to_meta_qk, rotate_half_to_interleaved
 from accessory.errors import CheckpointError, ConfigError
 from accessory.quant.formats import GGUF_BLOCKS
@@ -55,6 +60,9 @@ GGUF_TO_META = {
     "output_norm.weight": "norm.weight",
     "output.weight": "output.weight",
 }
+# llama.cpp's stacked experts of a layer: blk.N.ffn_{gate,down,up}_exps.weight, (E, out, in); split into the
+# per-expert names blk.N.ffn_{gate,down,up}.E.weight (families.MOE_GGUF).
+STACKED_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|down|up)_exps\.weight")
 # llama.cpp stores Llama-3.1-style rope scaling as this tensor of per-frequency divisors, not as metadata.
 ROPE_FREQS = "rope_freqs.weight"
 # Meta's llama3 rope-scaling constants (Llama 3.1 / 3.2 / 3.3 params); only the factor varies between releases.
@@ -71,7 +79,8 @@ def read_gguf(path, workdir, keep_quantized: bool = False) -> ImportedModel:
     KEPT_TYPES stay quantized (their parts under `NAME.q`, ...; the formats in `ImportedModel.quantization`)."""
     path, workdir = Path(path), Path(workdir)
     reader = _open(path)
-    family = gguf_family(_field(reader, "general.architecture", str(path), None), str(path))
+    architecture = _field(reader, "general.architecture", str(path), None)
+    family = gguf_family(architecture, _field(reader, f"{architecture}.expert_count", str(path), 0), str(path))
     config = config_from_gguf(reader, str(path), family)
     weights = _read_all(reader, path, keep_quantized)
     rope_freqs = weights.pop(ROPE_FREQS, None)
@@ -81,7 +90,9 @@ def read_gguf(path, workdir, keep_quantized: bool = False) -> ImportedModel:
         config["rope_scaling"] = llama3_scaling_from_freqs(rope_freqs.numpy(), config, str(path))
     config["tie_word_embeddings"] = "output.weight" not in weights
     args = validated_args(config, source=str(path), llama_type=family.llama_type)
-    names = expand_templates(with_family_names(GGUF_TO_META, family.gguf_names), args.n_layers)
+    base = without_dense_mlp(GGUF_TO_META) if family.is_moe else GGUF_TO_META
+    names = expand_templates(with_family_names(base, family.gguf_names), args.n_layers,
+                             args.experts.num_experts if args.experts else 0)
     renamed = rename_strict(weights, names, str(path), optional=frozenset({"output.weight"}))
     quantization = {name: value.fmt for name, value in renamed.items() if isinstance(value, Kept)}
     check_shapes({name: value.shape if isinstance(value, Kept) else tuple(value.shape)
@@ -121,9 +132,6 @@ def config_from_gguf(reader: gguf.GGUFReader, source: str, family) -> dict:
     the family's own keys."""
     meta = lambda key, default=_REQUIRED: _field(reader, key, source, default)  # noqa: E731
     arch = family.gguf_arch
-    if meta(f"{arch}.expert_count", 0):
-        raise ConfigError(f"{source}: {arch}.expert_count is {meta(f'{arch}.expert_count')}; mixture-of-experts "
-                          f"models are not supported")
     dim, n_heads = meta(f"{arch}.embedding_length"), meta(f"{arch}.attention.head_count")
     n_kv_heads = _one_value(meta(f"{arch}.attention.head_count_kv", n_heads), f"{arch}.attention.head_count_kv",
                             source)
@@ -143,7 +151,8 @@ def config_from_gguf(reader: gguf.GGUFReader, source: str, family) -> dict:
         "n_heads": n_heads,
         "n_kv_heads": n_kv_heads,
         "vocab_size": vocab_size,
-        "hidden_dim": meta(f"{arch}.feed_forward_length"),
+        # a mixture's files may give only each expert's hidden size (family.gguf_config reads it)
+        "hidden_dim": meta(f"{arch}.feed_forward_length", None if family.is_moe else _REQUIRED),
         # GGUF stores these as float32; recover the decimal they were written from (9.99999975e-06 -> 1e-05).
         "norm_eps": _from_f32(meta(f"{arch}.attention.layer_norm_rms_epsilon")),
         "rope_theta": _from_f32(meta(f"{arch}.rope.freq_base", 10000.0)),
@@ -241,22 +250,33 @@ def kept_parts(data: np.ndarray, type_name: str) -> dict[str, torch.Tensor]:
 
 
 def _read_all(reader: gguf.GGUFReader, path: Path, keep_quantized: bool) -> dict:
-    """GGUF name -> a float32 tensor (dequantized), or a Kept matrix."""
+    """GGUF name -> a float32 tensor (dequantized), or a Kept matrix; stacked experts split into one per expert."""
     weights = {}
     for t in tqdm(reader.tensors, desc=f"reading {path.name}", unit="tensor"):
         shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dimensions fastest-first
-        if keep_quantized and t.tensor_type.name in KEPT_TYPES and len(shape) == 2:
-            weights[t.name] = Kept(KEPT_TYPES[t.tensor_type.name][0], kept_parts(t.data, t.tensor_type.name), shape)
-            continue
-        try:
-            values = gguf.quants.dequantize(t.data, t.tensor_type)  # float32, numpy order (out, in)
-        except NotImplementedError as e:
-            raise CheckpointError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, which gguf "
-                                  f"{getattr(gguf, '__version__', '')} cannot dequantize: {e}") from e
-        if not values.flags.writeable:  # F32 tensors come back as a view of the read-only memory map
-            values = values.copy()
-        weights[t.name] = torch.from_numpy(values.reshape(shape))
+        stacked = STACKED_EXPERTS.fullmatch(t.name)
+        if stacked and len(shape) == 3:
+            data = np.asarray(t.data).reshape(shape[0], shape[1], -1)  # (experts, rows, row values or bytes)
+            for e in range(shape[0]):
+                name = f"blk.{stacked.group(1)}.ffn_{stacked.group(2)}.{e}.weight"
+                weights[name] = _matrix(data[e], t.tensor_type.name, shape[1:], name, path, keep_quantized)
+        else:
+            weights[t.name] = _matrix(t.data, t.tensor_type.name, shape, t.name, path, keep_quantized)
     return weights
+
+
+def _matrix(data: np.ndarray, type_name: str, shape: tuple, name: str, path: Path, keep_quantized: bool):
+    """One tensor's values as float32 (dequantized), or its blocks Kept (a quantized matrix, `keep_quantized`)."""
+    if keep_quantized and type_name in KEPT_TYPES and len(shape) == 2:
+        return Kept(KEPT_TYPES[type_name][0], kept_parts(data, type_name), shape)
+    try:
+        values = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name])  # float32, (out, in)
+    except NotImplementedError as e:
+        raise CheckpointError(f"{path}: tensor {name} has type {type_name}, which gguf "
+                              f"{getattr(gguf, '__version__', '')} cannot dequantize: {e}") from e
+    if not values.flags.writeable:  # F32 tensors come back as a view of the read-only memory map
+        values = values.copy()
+    return torch.from_numpy(values.reshape(shape))
 
 
 def _save_tokenizer(reader: gguf.GGUFReader, path: Path, workdir: Path) -> list[Path]:

@@ -20,7 +20,8 @@ from tqdm import tqdm
 
 from accessory.checkpoint.importers.common import (ImportedModel, check_shapes, expand_templates, rename_strict,
                                             validated_args)
-from accessory.checkpoint.importers.families import Family, hf_family, qk_tensors, with_family_names
+from accessory.checkpoint.importers.families import (Family, hf_family, qk_tensors, with_family_names,
+                                                      without_dense_mlp)
 from accessory.errors import CheckpointError, ConfigError
 from accessory.jsonfile import read_json_object
 
@@ -114,7 +115,7 @@ def language_model(weights: dict[str, torch.Tensor], config: dict, source: str, 
     args = validated_args(config, source=config_source, llama_type=llama_type)
     base, experts = HF_TO_META, args.experts.num_experts if args.experts else 0
     if family and family.hf_experts:  # a mixture of experts instead of the dense MLP
-        base = {k: v for k, v in HF_TO_META.items() if ".feed_forward." not in v}
+        base = without_dense_mlp(HF_TO_META)
         weights = unfused_experts(weights, family.hf_fused, args.n_layers, experts, source)
     table = with_family_names(base, {**family.hf_names, **family.hf_experts} if family else {})
     names = expand_templates(table, args.n_layers, experts)

@@ -559,6 +559,8 @@ def _add_inspect_verb(verbs) -> None:
                                "tokenizer) and check every shard; exit 1 naming the problems if any")
     inspect.add_argument("path", help="a checkpoint folder (accessory, Meta, HF, DCP) or a .gguf file")
     inspect.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    inspect.add_argument("--ranks", type=positive_int, help="a mixture of experts: also show which experts each of "
+                         "this many ranks would hold")
     inspect.set_defaults(handler=run_inspect)
 
 
@@ -568,7 +570,7 @@ def run_inspect(args) -> None:
 
     from accessory.checkpoint.inspect import format_report, inspect_checkpoint
 
-    report = inspect_checkpoint(Path(args.path))
+    report = inspect_checkpoint(Path(args.path), args.ranks)
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report), flush=True)
     if report.problems:
         sys.exit(1)

@@ -384,3 +384,24 @@ def test_gguf_families_by_architecture_and_experts():
         gguf_family("qwen3", 8, "q.gguf")
     with pytest.raises(CheckpointError, match=r"q\.gguf: general\.architecture 'qwen3moe' with expert_count 0"):
         gguf_family("qwen3moe", 0, "q.gguf")
+
+
+def test_inspect_says_which_experts_each_shard_and_rank_holds(accessory_mixtral, models, capsys):
+    from accessory.checkpoint.inspect import inspect_checkpoint
+    from accessory.cli import main
+
+    report = inspect_checkpoint(accessory_mixtral[1], ranks=4)
+    assert not report.problems, report.problems
+    assert report.experts == {"num_experts": 4, "per_token": 2,
+                              "shards": ["consolidated.00-of-02.model.pth: experts 0-1, whole",
+                                         "consolidated.01-of-02.model.pth: experts 2-3, whole"],
+                              "ranks": [f"rank {r}: experts {r}, whole" for r in range(4)]}
+    split = inspect_checkpoint(models["mixtral3"][1], ranks=6).experts  # 3 experts on 2 shards: each cut in 2
+    assert split["shards"] == [f"consolidated.0{r}-of-02.model.pth: experts 0-2, 50 of 100 hidden units each"
+                               for r in range(2)]
+    assert split["ranks"][:2] == ["rank 0: experts 0, hidden-unit slice 1 of 2",
+                                  "rank 1: experts 0, hidden-unit slice 2 of 2"]
+    main(["inspect", str(accessory_mixtral[1]), "--ranks", "2"])  # healthy: returns
+    out = capsys.readouterr().out
+    assert "experts:     4, 2 per token\n  consolidated.00-of-02.model.pth: experts 0-1, whole" in out
+    assert "  rank 1: experts 2-3, whole" in out

@@ -1,6 +1,7 @@
 """`accessory inspect PATH`: what a checkpoint is, and whether every shard of it would load.
 
-Facts: format, shard files, dtypes, parameter count, llama_type, config, tokenizer. Checks, all collected rather
+Facts: format, shard files, dtypes, parameter count, llama_type, config, tokenizer; for a mixture of experts, the
+experts each shard holds and (`ranks`) where they would live at that many ranks. Checks, all collected rather
 than stopping at the first: every shard readable, the same tensors in every shard, each tensor's pieces assembling
 into the model's shape along one split dimension (the loader's own rule, load.py `split_dim`), and no tensor
 missing or unexpected for the llama_type and config. A problem is one line naming the file, key and expectation.
@@ -33,14 +34,18 @@ class Report:
     llama_type: Optional[str] = None
     config: dict = field(default_factory=dict)
     tokenizer: Optional[dict] = None
+    # a mixture of experts: {"num_experts", "per_token", "shards": [one line per shard file], "ranks": [one line per
+    # rank, when asked for a rank count]}
+    experts: Optional[dict] = None
     problems: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "shards": len(self.files), "healthy": not self.problems}
 
 
-def inspect_checkpoint(path: Path) -> Report:
-    """A Report on `path`; never raises for a bad checkpoint (its problems are in `Report.problems`)."""
+def inspect_checkpoint(path: Path, ranks: Optional[int] = None) -> Report:
+    """A Report on `path`; never raises for a bad checkpoint (its problems are in `Report.problems`). `ranks`: also
+    say which experts each of that many ranks would hold (a mixture of experts)."""
     path = Path(path)
     report = Report(str(path))
     if not path.exists():
@@ -53,6 +58,7 @@ def inspect_checkpoint(path: Path) -> Report:
         _guarded(report, _inspect_hf, path)
     else:
         _guarded(report, _inspect_shards, path)
+    _describe_placement(report, ranks)
     return report
 
 
@@ -85,6 +91,10 @@ def _inspect_shards(report: Report, folder: Path) -> None:
     if shapes is None or len(opened) != len(shards.files):
         return  # without the model's shapes, or with a shard unreadable, assembling cannot be checked
     _check_pieces(report, folder, list(opened.values()), shapes)
+    if report.config.get("moe"):
+        report.experts = {}
+        report.experts["shards"] = [f"{path.name}: {_held_experts(tensors, shapes)}" for path, tensors in
+                                    opened.items()]
 
 
 def _check_same_keys(report: Report, opened: dict) -> None:
@@ -152,6 +162,44 @@ def _describe_model(report: Report, folders: list[Path], tokenizer_path=None) ->
         report.problems.append(f"{folders[-1]}: tokenizer has {tokenizer.n_words} tokens but vocab_size is "
                                f"{config['vocab_size']}")
     return shapes
+
+
+def _held_experts(tensors: dict, shapes: dict) -> str:
+    """The experts a shard holds, as ranges of global ids, each whole or a slice of its hidden units."""
+    from accessory.checkpoint.load import EXPERT_KEY
+
+    ids = sorted({int(m.group(0).split(".")[2]) for key in tensors if (m := EXPERT_KEY.search(key))})
+    if not ids:
+        return "no experts"
+    w1 = next(k for k in tensors if ".experts." in k and k.endswith(".w1.weight"))
+    hidden, full = tensors[w1].shape[0], shapes[w1][0]
+    return f"experts {_ranges(ids)}, " + ("whole" if hidden == full else f"{hidden} of {full} hidden units each")
+
+
+def _describe_placement(report: Report, ranks: Optional[int]) -> None:
+    """Where the experts would live at `ranks` ranks (parallel/layers.py `expert_placement`, the loader's rule)."""
+    moe = (report.config or {}).get("moe")
+    if not moe:
+        return
+    from accessory.parallel.layers import expert_placement
+
+    experts = report.experts or {}
+    report.experts = {"num_experts": moe["num_experts"], "per_token": moe["num_experts_per_tok"],
+                      "shards": experts.get("shards", []), "ranks": []}
+    for rank in range(ranks or 0):
+        place = expert_placement(moe["num_experts"], ranks, rank)
+        where = "whole" if place.parts == 1 else f"hidden-unit slice {place.part + 1} of {place.parts}"
+        report.experts["ranks"].append(f"rank {rank}: experts {_ranges(list(place.experts))}, {where}")
+
+
+def _ranges(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out, start = [], ids[0]
+    for previous, current in zip(ids, ids[1:] + [None]):
+        if current != previous + 1:
+            out.append(str(start) if start == previous else f"{start}-{previous}")
+            start = current
+    return ", ".join(out)
 
 
 def _tokenizer_facts(tokenizer) -> dict:
@@ -249,6 +297,10 @@ def format_report(report: Report) -> str:
                      f"eos {t['eos_id']}, chat template: {'yes' if t['chat_template'] else 'no'}")
     else:
         lines.append("tokenizer:   none found")
+    if report.experts:
+        e = report.experts
+        lines.append(f"experts:     {e['num_experts']}, {e['per_token']} per token")
+        lines += [f"  {line}" for line in e["shards"] + e["ranks"]]
     lines.append("config:")
     lines += [f"  {k}: {v}" for k, v in report.config.items()]
     if report.problems:

@@ -274,7 +274,7 @@ def test_fused_experts_import_as_saved(models):
         assert all(torch.equal(imported[key], saved.state_dict[key]) for key in imported)
 
 
-def test_routing_keeps_tokens_to_their_experts():
+def test_routing_keeps_tokens_to_their_experts(monkeypatch):
     """Two halves of a batch whose routers pick disjoint experts (0, 1 against 2, 3): each expert multiplies only
     the tokens that chose it, and every dispatch (grouped, the static step's gather at one token and its all-experts
     form at many) gives each half what it gives alone and what the router-weighted sum of the two experts gives."""
@@ -301,12 +301,19 @@ def test_routing_keeps_tokens_to_their_experts():
             outs.append((torch.nn.functional.silu(rows @ w.w1.weight.T) * (rows @ w.w3.weight.T)) @ w.w2.weight.T)
         return sum(p[:, None] * out for p, out in zip((probs / probs.sum(-1, keepdim=True)).T, outs))
 
-    seen = []
-    product = type(moe.w13).product
-    moe.w13.product = lambda rows, e: (seen.append((e, rows.shape[0])), product(moe.w13, rows, e))[1]
+    from accessory.kernels import dispatch
+
+    seen, product = [], dispatch.expert_product
+
+    def spied(rows, fmt, stack, e):
+        if stack[0] is moe.w13.weight:
+            seen.append((e, rows.shape[0]))
+        return product(rows, fmt, stack, e)
+
+    monkeypatch.setattr(dispatch, "expert_product", spied)
     grouped = moe(x[None])[0]
     assert sorted(seen) == [(0, 3), (1, 3), (2, 3), (3, 3)]  # each expert: its half's 3 tokens, once
-    del moe.w13.product
+    monkeypatch.undo()
     expected = torch.cat([reference(x[:3], (0, 1)), reference(x[3:], (2, 3))])
     torch.testing.assert_close(grouped, expected)
     torch.testing.assert_close(torch.cat([moe(x[:3]), moe(x[3:])]), expected)

@@ -2,6 +2,8 @@
 decode step's few rows (float32 and weight-only quantized weights) and decode attention, on the CPU. build.py
 compiles and loads them; dispatch.py picks them, or the portable torch path, for each call."""
 from accessory.kernels.build import cpu_kernels, kernel_isa
-from accessory.kernels.dispatch import decode_attention, expert_product, linear, quantized_linear
+from accessory.kernels.dispatch import (ACTIVATIONS, decode_attention, expert_product, grouped_experts, linear,
+                                        quantized_linear)
 
-__all__ = ["cpu_kernels", "kernel_isa", "linear", "quantized_linear", "decode_attention", "expert_product"]
+__all__ = ["cpu_kernels", "kernel_isa", "linear", "quantized_linear", "decode_attention", "expert_product",
+           "grouped_experts", "ACTIVATIONS"]

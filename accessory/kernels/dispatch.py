@@ -10,19 +10,22 @@ torch path that computes the same values by other arithmetic.
   kernels: W is dequantized in row chunks for F.linear.
 - `decode_attention`: one query per cache row over that row's own cached positions. The kernel on the CPU with
   float32 caches; elsewhere, SDPA over the first `columns` columns with the position mask.
+- `grouped_experts`: a mixture of experts' MLPs, one product per chosen expert on its tokens (eager, and compiled
+  on the CPU as an operator); `expert_product`: one expert of a stack chosen by a tensor id (the GPU's static step).
 
 Both are reachable from torch.compile's graphs: the kernels are torch operators with fake implementations.
 """
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 
 from accessory.kernels.cuda import takes as cuda_takes
 from accessory.kernels.build import cpu_kernels, loaded
-from accessory.quant.formats import GGUF_BLOCKS, QUANTIZERS, dequantize
+from accessory.quant.formats import GGUF_BLOCKS, PARTS, QUANTIZERS, dequantize
 
 # Rows of x above which the library's GEMM beats the kernels: with W float32, and with W quantized (dequantized in
 # chunks first). Measured on SmolLM2's shapes (benchmarks/README.md).
@@ -75,44 +78,58 @@ def _dequantized_product(x, fmt, q, scale, minimum) -> torch.Tensor:
     return torch.cat(outs, dim=-1)
 
 
-def expert_product(x: torch.Tensor, fmt: Optional[str], parts: dict[str, torch.Tensor],
-                   expert: torch.Tensor) -> torch.Tensor:
-    """x (..., in) @ W_e^T for W_e the weight of expert `expert` (a (1,) tensor, on the device) in a stack of experts'
-    weights: `parts` {"weight": (E, out, in)} float, or the quantized parts of `fmt` stacked (E, ...). For a step that
-    must not sync with the host (compiled, CUDA graphs). On the CPU an operator reads the index and multiplies by that
-    expert's weights in place (one expert read, the compiler sees an opaque call); elsewhere the expert's weights are
-    gathered first (a copy of one expert: a CUDA graph can hold no host read)."""
-    if x.device.type == "cpu":
-        if fmt is None:
-            return torch.ops.accessory.expert_linear(x, parts["weight"], expert)
-        return torch.ops.accessory.expert_quantized_linear(x, fmt, parts["q"], parts.get("scale"), parts.get("min"),
-                                                           expert)
-    chosen = {name: part.index_select(0, expert)[0] for name, part in parts.items()}
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor, fmt: Optional[str],
+                    w13: list[torch.Tensor], w2: list[torch.Tensor], activation: str) -> torch.Tensor:
+    """A mixture's gated MLPs over tokens x (T, dim), one product per local expert on the tokens that chose it:
+    `local` (T, k) each choice's local expert (L, the stack's length, for one held elsewhere: skipped), `weights`
+    (T, k) the router's weights. w13 / w2: the local experts' stacked [w1; w3] (L, 2 * hidden, dim) and w2
+    (L, dim, hidden), float (one tensor) or `fmt`'s parts in PARTS order. Only the chosen experts' weights are read;
+    the grouping costs one host sync (how many tokens each expert got). Under torch.compile this runs as the operator
+    `accessory::grouped_experts`, whose sizes the compiler never sees."""
+    k, count = local.shape[1], w13[0].shape[0]
+    choices = local.flatten()  # (T * k,): choice c is token c // k's
+    order = choices.argsort(stable=True)
+    sizes = torch.bincount(choices, minlength=count + 1).tolist()
+    y, start = torch.zeros_like(x), 0
+    for expert, size in enumerate(sizes[:count]):
+        if size:
+            chosen = order[start:start + size]
+            tokens = chosen // k
+            gate, up = expert_product(x[tokens], fmt, w13, expert).chunk(2, dim=-1)
+            out = expert_product(ACTIVATIONS[activation](gate) * up, fmt, w2, expert)
+            y.index_add_(0, tokens, out * weights.flatten()[chosen, None])
+        start += size
+    return y
+
+
+def expert_product(x: torch.Tensor, fmt: Optional[str], stack: list[torch.Tensor],
+                   expert: Union[int, torch.Tensor]) -> torch.Tensor:
+    """x (..., in) @ W_e^T for expert `expert` of a stack of experts' weights: [(E, out, in)] float, or `fmt`'s parts
+    stacked (E, ...) in PARTS order. `expert`: an int (a view of its weights, nothing copied), or a (1,) tensor on
+    the device, for a GPU's static step that must not sync with the host (the weights gathered by id: a copy of
+    one expert)."""
+    if isinstance(expert, int):
+        chosen = [part[expert] for part in stack]
+    else:
+        chosen = [part.index_select(0, expert)[0] for part in stack]
     if fmt is None:
-        return linear(x, chosen["weight"])
-    return quantized_linear(x, fmt, chosen["q"], chosen.get("scale"), chosen.get("min"))
+        return linear(x, chosen[0])
+    parts = dict(zip(PARTS[fmt], chosen))
+    return quantized_linear(x, fmt, parts["q"], parts.get("scale"), parts.get("min"))
 
 
-@torch.library.custom_op("accessory::expert_linear", mutates_args=())
-def _expert_linear(x: torch.Tensor, weights: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-    return linear(x, weights[int(expert)])
+@torch.library.custom_op("accessory::grouped_experts", mutates_args=())
+def _grouped_experts(x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor, fmt: Optional[str],
+                     w13: list[torch.Tensor], w2: list[torch.Tensor], activation: str) -> torch.Tensor:
+    return grouped_experts(x, weights, local, fmt, w13, w2, activation)
 
 
-@_expert_linear.register_fake
-def _(x, weights, expert):
-    return x.new_empty((*x.shape[:-1], weights.shape[1]))
-
-
-@torch.library.custom_op("accessory::expert_quantized_linear", mutates_args=())
-def _expert_quantized_linear(x: torch.Tensor, fmt: str, q: torch.Tensor, scale: Optional[torch.Tensor],
-                             minimum: Optional[torch.Tensor], expert: torch.Tensor) -> torch.Tensor:
-    e = int(expert)
-    return quantized_linear(x, fmt, q[e], None if scale is None else scale[e], None if minimum is None else minimum[e])
-
-
-@_expert_quantized_linear.register_fake
-def _(x, fmt, q, scale, minimum, expert):
-    return x.new_empty((*x.shape[:-1], q.shape[1]))
+@_grouped_experts.register_fake
+def _(x, weights, local, fmt, w13, w2, activation):
+    return torch.empty_like(x)
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,

@@ -16,7 +16,6 @@ Attention runs three ways, all on the same weights:
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from accessory.errors import ConfigError
-from accessory.kernels import decode_attention, expert_product, linear, quantized_linear
+from accessory.kernels import ACTIVATIONS, decode_attention, expert_product, grouped_experts
 from accessory.parallel import (ColumnParallelLinear, ExpertLinear, FusedColumns, ParallelContext, RowParallelLinear,
                                 expert_placement)
 from accessory.quant.formats import GROUP, PARTS, block_size
@@ -54,10 +53,16 @@ class RMSNorm(nn.Module):
 ROPE_TYPES = ("linear", "llama3", "yarn")
 
 
+# Meta's LLaMA-3.1 llama3 rope-scaling constants (3.1 / 3.2 / 3.3 differ only in the factor): what a config that says
+# only `use_scaled_rope`, or only the factor, means; and what llama.cpp's rope_freqs tensor was computed with.
+LLAMA3_ROPE_DEFAULTS = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 8192}
+
+
 def rope_frequencies(head_dim: int, theta: float, scaling: Union[None, float, dict]) -> tuple[torch.Tensor, float]:
     """Per-pair rotation frequencies (head_dim / 2,), float32, with linear, llama3 or yarn scaling applied; and the
     factor yarn scales cos and sin by (1.0 otherwise)."""
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = base_frequencies(head_dim, theta)
     if scaling is None:
         return freqs, 1.0
     if isinstance(scaling, (int, float)):  # LLaMA2-Accessory's form: a linear position-interpolation factor
@@ -66,16 +71,21 @@ def rope_frequencies(head_dim: int, theta: float, scaling: Union[None, float, di
     if kind == "linear":
         return freqs / scaling["factor"], 1.0  # same as dividing positions by the factor
     if kind == "llama3":
-        return _llama3_scaled(freqs, scaling["factor"], scaling.get("low_freq_factor", 1.0),
-                              scaling.get("high_freq_factor", 4.0),
-                              scaling.get("original_max_position_embeddings", 8192)), 1.0
+        return llama3_scaled(freqs, **{**LLAMA3_ROPE_DEFAULTS, **{k: v for k, v in scaling.items()
+                                                                  if k in LLAMA3_ROPE_DEFAULTS}}), 1.0
     if kind == "yarn":
         return _yarn_scaled(freqs, theta, scaling)
     raise ConfigError(f"unknown rope_scaling type {kind!r} in {scaling}; known: {list(ROPE_TYPES)}")
 
 
-def _llama3_scaled(freqs, factor, low_freq_factor, high_freq_factor, old_context_len) -> torch.Tensor:
-    # Meta's LLaMA-3.1 rule: keep short wavelengths, divide long ones by `factor`, blend smoothly in between.
+def base_frequencies(head_dim: int, theta: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=dtype) / head_dim))
+
+
+def llama3_scaled(freqs: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                  original_max_position_embeddings: int) -> torch.Tensor:
+    """Meta's LLaMA-3.1 rule: keep short wavelengths, divide long ones by `factor`, blend smoothly in between."""
+    old_context_len = original_max_position_embeddings
     wavelen = 2 * math.pi / freqs
     smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
     blended = (1 - smooth) * freqs / factor + smooth * freqs
@@ -342,9 +352,6 @@ def decode_mask(positions: torch.Tensor, columns: int) -> torch.Tensor:
     return (torch.arange(columns, device=positions.device) <= positions[:, None])[:, None, None, :]
 
 
-ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
-
-
 class FeedForward(nn.Module):
     """A gated MLP, w2(act(w1 x) * w3 x), hidden units split across ranks: SwiGLU (act silu: LLaMA, Qwen, Mistral)
     or GeGLU (gelu_tanh: Gemma)."""
@@ -433,15 +440,13 @@ class ExpertStack(nn.Module):
                     else:
                         layer.weight = nn.Parameter(view, requires_grad=False)
 
+    def parts(self) -> list[torch.Tensor]:
+        """The stacked tensors, in the format's PARTS order (the float weight alone)."""
+        return [getattr(self, name) for name in self.names]
+
     def product(self, x: torch.Tensor, expert: Union[int, torch.Tensor]) -> torch.Tensor:
-        """x (..., in) @ W_e^T for local expert `expert`: an int (a view, nothing copied), or a (1,) tensor (the
-        static step's choice, read without a host sync: kernels' `expert_product`)."""
-        if not isinstance(expert, int):
-            return expert_product(x, self.fmt, {name: getattr(self, name) for name in self.names}, expert)
-        parts = {name: getattr(self, name)[expert] for name in self.names}
-        if self.fmt is None:
-            return linear(x, parts["weight"])
-        return quantized_linear(x, self.fmt, parts["q"], parts.get("scale"), parts.get("min"))
+        """x (..., in) @ W_e^T for local expert `expert`: an int, or a (1,) tensor (kernels' `expert_product`)."""
+        return expert_product(x, self.fmt, self.parts(), expert)
 
 
 class MoEFeedForward(nn.Module):
@@ -454,17 +459,17 @@ class MoEFeedForward(nn.Module):
     (`layers.N.feed_forward.experts.E.w1.weight`).
 
     Only the chosen experts' weights are read:
-    - eager (prefill, and decode on the CPU): tokens are grouped by expert, one product per chosen expert on its
-      tokens (the grouping costs one host sync: how many tokens each expert got);
-    - static (compiled, or captured as a CUDA graph): no host sync and shapes fixed by the row count. When a step's
-      T tokens make fewer than `local experts` choices (T * k < L: batch-1 decode), each choice's weights are
+    - grouped (eager, and compiled on the CPU): tokens are grouped by expert, one product per chosen expert on its
+      tokens (kernels' `grouped_experts`; under torch.compile an operator, so the grouping's sizes stay data);
+    - static (a GPU's compiled or CUDA-graph-captured step): no host sync and shapes fixed by the row count. When a
+      step's T tokens make fewer than `local experts` choices (T * k < L: batch-1 decode), each choice's weights are
       gathered by id (k experts read, not L); otherwise every local expert runs on every token, weighted by the
       router (0 for tokens that did not choose it), which reads each weight once, as a batch would anyway.
     """
 
     def __init__(self, dim: int, hidden_dim: int, moe: MoEConfig, ctx: ParallelContext, activation: str = "silu"):
         super().__init__()
-        self.ctx, self.moe, self.act = ctx, moe, ACTIVATIONS[activation]
+        self.ctx, self.moe, self.activation = ctx, moe, activation
         self.placement = expert_placement(moe.num_experts, ctx.world_size, ctx.rank)
         self.gate = ColumnParallelLinear(dim, moe.num_experts, ctx, parts=1)  # parts=1: whole on every rank
         self.experts = nn.ModuleDict({str(e): Expert(dim, hidden_dim, self.placement.parts, self.placement.part)
@@ -493,28 +498,18 @@ class MoEFeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # (T, dim)
         weights, local = self.route(flat)
-        static = torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        static = x.is_cuda and (torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing())
         y = self._static(flat, weights, local) if static else self._grouped(flat, weights, local)
         return self.ctx.all_reduce(y).reshape(x.shape)
 
     def _mlp(self, x: torch.Tensor, expert: Union[int, torch.Tensor]) -> torch.Tensor:
         gate, up = self.w13.product(x, expert).chunk(2, dim=-1)
-        return self.w2.product(self.act(gate) * up, expert)
+        return self.w2.product(ACTIVATIONS[self.activation](gate) * up, expert)
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """One product per local expert on the tokens that chose it."""
-        k, count = self.moe.num_experts_per_tok, len(self.placement.experts)
-        choices = local.flatten()  # (T * k,): choice c is token c // k's
-        order = choices.argsort(stable=True)
-        sizes = torch.bincount(choices, minlength=count + 1).tolist()  # the one host sync
-        y, start = torch.zeros_like(x), 0
-        for expert, size in enumerate(sizes[:count]):
-            if size:
-                chosen = order[start:start + size]
-                tokens = chosen // k
-                y.index_add_(0, tokens, self._mlp(x[tokens], expert) * weights.flatten()[chosen, None])
-            start += size
-        return y
+        grouped = torch.ops.accessory.grouped_experts if torch.compiler.is_compiling() else grouped_experts
+        return grouped(x, weights, local, self.w13.fmt, self.w13.parts(), self.w2.parts(), self.activation)
 
     def _static(self, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """Shapes fixed by T, no host sync (see the class's docstring)."""

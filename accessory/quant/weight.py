@@ -10,7 +10,6 @@ same columns of the whole weight, at any rank count.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
 
 import torch
 from torch import nn
@@ -78,11 +77,3 @@ def part_shard(shard, fmt: str, part: str):
                    local_size=columns(shard.local_size))
 
 
-def quantized_parts(name: str, fmt: str) -> list[str]:
-    """The checkpoint names of a quantized weight's parts: `layers.0.attention.wq.weight.q`, ..."""
-    return [f"{name}.{part}" for part in PART_DTYPES[fmt]]
-
-
-def float_or_quantized(weight) -> Optional[str]:
-    """The format of a layer's weight: None for a float Parameter."""
-    return weight.fmt if isinstance(weight, QuantizedWeight) else None

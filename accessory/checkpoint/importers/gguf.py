@@ -27,7 +27,6 @@ in)); they are split into one matrix per expert (a quantized stack into each exp
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +42,7 @@ from accessory.checkpoint.importers.common import (ImportedModel, check_shapes, 
 from accessory.checkpoint.importers.families import gguf_family, with_family_names, without_dense_mlp
 from accessory.checkpoint.importers.hf import hf_to_meta_qk, rotate_half_to_interleaved
 from accessory.errors import CheckpointError, ConfigError
+from accessory.model.components import LLAMA3_ROPE_DEFAULTS, base_frequencies, llama3_scaled
 from accessory.quant.formats import GGUF_BLOCKS
 
 # GGUF name -> canonical name; `{i}` is the layer index.
@@ -65,8 +65,6 @@ GGUF_TO_META = {
 STACKED_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|down|up)_exps\.weight")
 # llama.cpp stores Llama-3.1-style rope scaling as this tensor of per-frequency divisors, not as metadata.
 ROPE_FREQS = "rope_freqs.weight"
-# Meta's llama3 rope-scaling constants (Llama 3.1 / 3.2 / 3.3 params); only the factor varies between releases.
-_LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 _REQUIRED = object()
 
 
@@ -182,22 +180,17 @@ def _rope_scaling(meta, arch: str, source: str) -> Optional[dict]:
     return {"rope_type": "linear", "factor": _from_f32(factor)}
 
 
-def llama3_rope_factors(head_dim: int, theta: float, factor: float, low_freq_factor: float,
-                        high_freq_factor: float, original_max_position_embeddings: int) -> np.ndarray:
+def llama3_rope_factors(head_dim: int, theta: float, **scaling) -> np.ndarray:
     """Per-frequency divisors of Meta's llama3 rope scaling, as llama.cpp's converter writes them to rope_freqs."""
-    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))  # (head_dim/2,)
-    wavelen = 2 * math.pi / freqs
-    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    factors = 1 / ((1 - smooth) / factor + smooth)
-    factors = np.where(wavelen < original_max_position_embeddings / high_freq_factor, 1.0, factors)
-    return np.where(wavelen > original_max_position_embeddings / low_freq_factor, factor, factors)
+    freqs = base_frequencies(head_dim, theta, torch.float64)
+    return (freqs / llama3_scaled(freqs, **scaling)).numpy()
 
 
 def llama3_scaling_from_freqs(rope_freqs: np.ndarray, config: dict, source: str) -> dict:
     """Recover our llama3 rope_scaling dict from a rope_freqs tensor. GGUF keeps only the resulting divisors, so we
     take the factor from their maximum, assume Meta's other constants, and refuse when they do not reproduce it."""
     head_dim = config["dim"] // config["n_heads"]
-    scaling = {"rope_type": "llama3", "factor": _from_f32(float(rope_freqs.max())), **_LLAMA3_DEFAULTS}
+    scaling = {"rope_type": "llama3", **LLAMA3_ROPE_DEFAULTS, "factor": _from_f32(float(rope_freqs.max()))}
     expected = llama3_rope_factors(head_dim, config["rope_theta"], **{k: v for k, v in scaling.items()
                                                                       if k != "rope_type"})
     if rope_freqs.shape != expected.shape or not np.allclose(rope_freqs, expected, rtol=1e-4, atol=0):

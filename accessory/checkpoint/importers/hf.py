@@ -23,6 +23,7 @@ from accessory.checkpoint.importers.common import (ImportedModel, check_shapes, 
 from accessory.checkpoint.importers.families import (Family, hf_family, qk_tensors, with_family_names,
                                                       without_dense_mlp)
 from accessory.errors import CheckpointError, ConfigError
+from accessory.model.components import LLAMA3_ROPE_DEFAULTS
 from accessory.jsonfile import read_json_object
 
 log = logging.getLogger(__name__)
@@ -306,10 +307,6 @@ def _read_json(path: Path) -> dict:
 
 # ---- export ------------------------------------------------------------------------------------------------------
 
-# Meta's LLaMA-3.1 llama3 rope-scaling constants, for a config that says only `use_scaled_rope` (or no more than the
-# factor): HF's LlamaConfig needs every key spelled out.
-_LLAMA3_DEFAULTS = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": 8192}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -344,7 +341,7 @@ def _rope_to_hf(args) -> Optional[dict]:
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind not in ("linear", "llama3"):
         raise ConfigError(f"rope_scaling {scaling}: type {kind!r} has no HF form here; expected {sorted(_ROPE_KEYS)}")
-    defaults = _LLAMA3_DEFAULTS if kind == "llama3" else {}
+    defaults = LLAMA3_ROPE_DEFAULTS if kind == "llama3" else {}  # HF's LlamaConfig needs every key spelled out
     return {"rope_type": kind, **{k: scaling.get(k, defaults.get(k)) for k in _ROPE_KEYS[kind]}}
 
 

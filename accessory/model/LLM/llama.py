@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from dataclasses import dataclass
 from typing import ClassVar, Optional, Sequence, Union
 
@@ -198,7 +197,7 @@ class ModelArgs:
         """(theta, scaling) of the rotary embedding of a layer with that window (Gemma 3 gives sliding layers
         their own base)."""
         if self.use_scaled_rope and self.rope_scaling is None:
-            return self.rope_theta, {"rope_type": "llama3", "factor": 8.0}  # Meta's LLaMA-3.1 defaults
+            return self.rope_theta, {"rope_type": "llama3"}  # Meta's LLaMA-3.1 defaults (LLAMA3_ROPE_DEFAULTS)
         return self.rope_theta, self.rope_scaling
 
     @property

@@ -15,12 +15,11 @@ from typing import Optional
 
 import torch
 
+from accessory.data.transform import CLIP_MEAN, CLIP_STD
 from accessory.errors import ConfigError
 from accessory.model.LLM import llama
 from accessory.model.vision import ImagePlacement, Projector, VisionTower, place_features, tower_config
 
-CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]  # OpenAI CLIP's normalisation (LLaVA-1.5's tower)
-CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 STRATEGIES = ("default", "full")  # HF's vision_feature_select_strategy: drop the first (class) token, or keep all
 
 

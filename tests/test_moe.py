@@ -318,6 +318,11 @@ def test_routing_keeps_tokens_to_their_experts(monkeypatch):
     torch.testing.assert_close(grouped, expected)
     torch.testing.assert_close(torch.cat([moe(x[:3]), moe(x[3:])]), expected)
     weights, local = moe.route(x)
+    for row in (0, 5):  # one token: its two experts in turn; none of them here (another rank's): zeros
+        torch.testing.assert_close(moe._grouped(x[row:row + 1], weights[row:row + 1], local[row:row + 1]),
+                                   expected[row:row + 1])
+        elsewhere = torch.full_like(local[row:row + 1], 4)
+        assert torch.equal(moe._grouped(x[row:row + 1], weights[row:row + 1], elsewhere), torch.zeros(1, dim))
     torch.testing.assert_close(moe._static(x, weights, local), expected)  # 12 choices >= 4 experts: all run
     for row in (0, 5):  # 2 choices < 4 experts: the two chosen gathered
         torch.testing.assert_close(moe._static(x[row:row + 1], weights[row:row + 1], local[row:row + 1]),

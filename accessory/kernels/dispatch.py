@@ -90,6 +90,9 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor,
     the grouping costs one host sync (how many tokens each expert got). Under torch.compile this runs as the operator
     `accessory::grouped_experts`, whose sizes the compiler never sees."""
     k, count = local.shape[1], w13[0].shape[0]
+    if x.shape[0] == 1:  # one token (batch-1 decode): its k experts in turn, without sorting
+        return sum((weight * _expert_mlp(x, fmt, w13, w2, activation, expert)
+                    for weight, expert in zip(weights[0], local[0].tolist()) if expert < count), torch.zeros_like(x))
     choices = local.flatten()  # (T * k,): choice c is token c // k's
     order = choices.argsort(stable=True)
     sizes = torch.bincount(choices, minlength=count + 1).tolist()
@@ -98,11 +101,16 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor,
         if size:
             chosen = order[start:start + size]
             tokens = chosen // k
-            gate, up = expert_product(x[tokens], fmt, w13, expert).chunk(2, dim=-1)
-            out = expert_product(ACTIVATIONS[activation](gate) * up, fmt, w2, expert)
+            out = _expert_mlp(x[tokens], fmt, w13, w2, activation, expert)
             y.index_add_(0, tokens, out * weights.flatten()[chosen, None])
         start += size
     return y
+
+
+def _expert_mlp(x: torch.Tensor, fmt: Optional[str], w13: list[torch.Tensor], w2: list[torch.Tensor],
+                activation: str, expert: int) -> torch.Tensor:
+    gate, up = expert_product(x, fmt, w13, expert).chunk(2, dim=-1)
+    return expert_product(ACTIVATIONS[activation](gate) * up, fmt, w2, expert)
 
 
 def expert_product(x: torch.Tensor, fmt: Optional[str], stack: list[torch.Tensor],

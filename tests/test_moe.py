@@ -453,3 +453,37 @@ def test_delta_extract_and_apply_across_expert_layouts(accessory_mixtral, tmp_pa
         original = MetaModel.from_pretrained(str(base), max_seq_len=128).llma(ids)
     torch.testing.assert_close(stacked, expected, atol=1e-5, rtol=1e-5)
     assert (expected - original).abs().max() > 1e-2  # the fine-tune moved the logits
+
+
+def test_the_engine_serves_a_mixture(models, tmp_path):
+    """Qwen3-MoE through the server's GenerationService: JSON-schema output from sampled rows decoding together, each
+    valid; the prefix cache copies a prompt's shared prefix from a row beside it and keeps the tokens it gives alone;
+    `accessory quantize` writes int8 experts (from the 2-shard Mixtral, at 1 shard) that load as quant="int8" does."""
+    import json
+
+    import jsonschema
+
+    from accessory.checkpoint.quantize import quantize_checkpoint
+    from accessory.generation.constraints import Constraint
+    from accessory.model.meta import MetaModel
+    from test_constraints import SCHEMA, complete
+    from test_families import ReusedCounted
+
+    model = MetaModel.from_pretrained(str(models["qwen3_moe"][1]), max_seq_len=256, max_batch_size=4)
+    for final in complete(model, Constraint.json_schema(SCHEMA), seeds=range(3)):
+        assert final.finish_reason == "stop", final
+        jsonschema.validate(json.loads(final.text), SCHEMA)
+    first = prompts()[1]
+    second = first[:20] + [11, 12, 13]
+    ReusedCounted.tokens = 0
+    together = greedy_ids(model, [first, second], GEN_STEPS, engine=ReusedCounted(model.engine))
+    assert ReusedCounted.tokens == 20
+    assert together == [greedy_ids(model, [p], GEN_STEPS, engine=model.engine.configured(prefix_cache=False))[0]
+                        for p in (first, second)]
+    quantized = quantize_checkpoint(models["mixtral"][1], tmp_path / "int8", "int8", shards=1)
+    ids = torch.tensor([prompts()[1]])
+    with torch.no_grad():
+        from_disk = MetaModel.from_pretrained(str(quantized), max_seq_len=128)
+        at_load = MetaModel.from_pretrained(str(models["mixtral"][1]), max_seq_len=128, quant="int8")
+        assert from_disk.llma.quantization["layers.0.feed_forward.experts.3.w1.weight"] == "int8"
+        torch.testing.assert_close(from_disk.llma(ids), at_load.llma(ids))

@@ -93,7 +93,7 @@ class GroupStats:
 
 
 @dataclass
-class Plan:
+class JobPlan:
     """What global rank 0 learns before any model is loaded."""
     records: list[Record]
     done: dict  # id -> finished row, from OUT and the parts
@@ -294,7 +294,7 @@ class PartWriter:
 
 # ---- planning (global rank 0) ---------------------------------------------------------------------------------------
 
-def prepare(options: BatchOptions, max_gen_len: int) -> Plan:
+def prepare(options: BatchOptions, max_gen_len: int) -> JobPlan:
     """Validate the options and the input, and read what is done; before any model is loaded."""
     if max_gen_len >= options.max_seq_len:
         raise BatchInputError(f"--max_gen_len ({max_gen_len}) must be below --max_seq_len ({options.max_seq_len})")
@@ -311,7 +311,7 @@ def prepare(options: BatchOptions, max_gen_len: int) -> Plan:
         raise BatchInputError(f"--output {options.output} is the input: the input is never overwritten")
     records = read_records(options.input)
     Path(options.output).parent.mkdir(parents=True, exist_ok=True)
-    plan = Plan(records, OutputFiles(options.output).read_done({r.id for r in records}))
+    plan = JobPlan(records, OutputFiles(options.output).read_done({r.id for r in records}))
     check_images(options.input, plan.pending)
     return plan
 
@@ -512,7 +512,7 @@ def _rendered(model, records: list[Record], options: BatchOptions, max_gen_len: 
     return jobs
 
 
-def _prepare_and_mark_shared(options: BatchOptions, max_gen_len: int) -> Plan:
+def _prepare_and_mark_shared(options: BatchOptions, max_gen_len: int) -> JobPlan:
     plan = prepare(options, max_gen_len)
     files = OutputFiles(options.output)
     files.shared_check.write_text(f"{plan.check_nonce} {socket.gethostname()}\n")

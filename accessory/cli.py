@@ -471,7 +471,7 @@ def run_weight_operate(args) -> None:
 
 
 def run_merge_lora(args) -> None:
-    from accessory.checkpoint.lora import merge_lora
+    from accessory.checkpoint.merge_lora import merge_lora
     from accessory.model.meta import DTYPES
 
     merge_lora(args.src, args.dst, args.shards, DTYPES[args.dtype] if args.dtype else None)
@@ -676,7 +676,7 @@ def _image_transform(name: str) -> str:
 
 def _chat_template_file(path: str) -> str:
     """--chat-template: a file that reads and compiles as a chat template (checked before any model loads)."""
-    from accessory.model.tokenizer import read_chat_template
+    from accessory.text.tokenizer import read_chat_template
 
     try:
         read_chat_template(path)

@@ -1,6 +1,13 @@
 """Typed errors for bad input. Each message names the file, key, rank or value and what was expected."""
 
 
+def listing(items, limit: int = 12) -> str:
+    """Items for a message: "a, b, c, ... (9 more)" beyond `limit`."""
+    items = list(items)
+    shown = ", ".join(str(x) for x in items[:limit])
+    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+
+
 class AccessoryError(Exception):
     """Base class: bad input that the user can fix."""
 

@@ -152,7 +152,7 @@ def _gemma_gguf():
 
 
 def _gemma_float():
-    from accessory.cache import cache_dir
+    from accessory.cache_dir import cache_dir
     from accessory.checkpoint.convert import convert
 
     folder = cache_dir() / "benchmarks" / "gemma-3-270m-float32"
@@ -214,7 +214,7 @@ def worker(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from accessory.model.tokenizer import Tokenizer, find_tokenizer
+    from accessory.text.tokenizer import Tokenizer, find_tokenizer
 
     model = MODELS[args.model]
     folder = model.folder(None)
@@ -268,7 +268,7 @@ def prepare(engine: str, folder: Path) -> None:
 
         from accessory.kernels import cpu_kernels
         from accessory.model.meta import MetaModel  # noqa: F401
-        from accessory.model.tokenizer import Tokenizer, find_tokenizer
+        from accessory.text.tokenizer import Tokenizer, find_tokenizer
 
         cpu_kernels()
         Tokenizer.from_path(find_tokenizer([folder]))

@@ -170,7 +170,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
 
 def linear_shapes(config: dict) -> dict[str, tuple[int, int, int]]:
     """name -> (out, in, count per step) of the products of one decode step (wq|wk|wv and w1|w3 fused)."""
-    from accessory.model.LLM.llama import ModelArgs
+    from accessory.network.LLM.llama import ModelArgs
 
     args = ModelArgs(**config)
     d, h, kv = args.dim, args.ffn_hidden_dim, args.n_kv_heads * args.head_dim
@@ -269,7 +269,7 @@ def tokenizer_file(path) -> Path:
 
 def random_state_dict(config: dict, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
     """Meta names -> CPU bfloat16 tensors: std 0.02 (HF's initializer range), norms 1."""
-    from accessory.model.LLM.llama import ModelArgs, Transformer
+    from accessory.network.LLM.llama import ModelArgs, Transformer
     from accessory.parallel import ParallelContext
 
     with torch.device("meta"):
@@ -450,7 +450,7 @@ def ours(args, fmt: str, device: torch.device, report: Report) -> dict:
 def weight_bytes(model) -> int:
     """Bytes of the weights one decode step reads: every linear (stacked or not, each once) and the output; the
     embedding only gathers rows."""
-    from accessory.quant.weight import QuantizedWeight
+    from accessory.parallel.quantized_weight import QuantizedWeight
 
     seen, total = set(), 0
     for name, module in model.named_modules():
@@ -515,8 +515,8 @@ def hf_peer(args, config: dict, device: torch.device) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from accessory.checkpoint.importers.hf import config_to_hf, hf_state_dict
-    from accessory.model.LLM.llama import ModelArgs
-    from accessory.model.tokenizer import Tokenizer
+    from accessory.network.LLM.llama import ModelArgs
+    from accessory.text.tokenizer import Tokenizer
 
     transformers.logging.set_verbosity_error()
     weights = random_state_dict(config, device)  # the checkpoint's weights (same seed), not read back from disk

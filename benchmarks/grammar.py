@@ -16,7 +16,7 @@ import time
 import torch
 
 from accessory.checkpoint.default_model import ensure_default_model
-from accessory.model.tokenizer import Tokenizer
+from accessory.text.tokenizer import Tokenizer
 
 SCHEMA = {
     "type": "object",

@@ -25,7 +25,7 @@ def main() -> None:
 
     from accessory.checkpoint.config import read_spec
     from accessory.checkpoint.direct import imported
-    from accessory.model.LLM import model_classes
+    from accessory.network.LLM import model_classes
 
     folder = imported(args.checkpoint or _gemma())
     spec = read_spec([folder])

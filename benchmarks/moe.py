@@ -20,9 +20,9 @@ import torch
 
 
 def build(llama_type: str, args: argparse.Namespace, quant: str | None):
-    from accessory.model.LLM import model_classes
+    from accessory.network.LLM import model_classes
     from accessory.parallel import ParallelContext
-    from accessory.quant.weight import QuantizedWeight
+    from accessory.parallel.quantized_weight import QuantizedWeight
 
     model_args, transformer = model_classes(llama_type)
     config = dict(dim=args.dim, n_layers=args.layers, n_heads=args.dim // 128, n_kv_heads=2, vocab_size=32000,
@@ -53,7 +53,7 @@ def build(llama_type: str, args: argparse.Namespace, quant: str | None):
 
 
 def decode_ms(model, rows: int, steps: int, compiled: bool) -> float:
-    from accessory.model.components import Segment, decode_mask
+    from accessory.network.components import Segment, decode_mask
 
     columns = model.args.max_seq_len
     model.setup_caches(rows, columns)

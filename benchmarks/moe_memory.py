@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 def save_random_mixtral(folder: Path, args: argparse.Namespace, tokenizer: Path) -> Path:
     from accessory.checkpoint.importers.common import expected_shapes
     from accessory.checkpoint.save import save_checkpoint
-    from accessory.model.LLM import model_classes
+    from accessory.network.LLM import model_classes
 
     config = dict(dim=args.dim, n_layers=args.layers, n_heads=args.dim // 64, n_kv_heads=4, vocab_size=32000,
                   hidden_dim=args.hidden, moe={"num_experts": 8, "num_experts_per_tok": 2}, rope_theta=1e6)

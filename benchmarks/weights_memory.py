@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def make_checkpoints(root: Path, dim: int, layers: int) -> tuple[Path, Path]:
     from accessory.checkpoint.save import save_checkpoint
-    from accessory.model.LLM.llama import ModelArgs, Transformer
+    from accessory.network.LLM.llama import ModelArgs, Transformer
     from accessory.parallel import ParallelContext
 
     config = dict(dim=dim, n_layers=layers, n_heads=dim // 128, vocab_size=32000)

@@ -72,7 +72,7 @@ def main(title: str, context: Context, argv=None, image: bool = False) -> None:
 def serve(title: str, context: Context, args: argparse.Namespace) -> None:
     """Serve until the service shuts down. If the source rank cannot open the page, every rank still leaves the
     service together, and then the source rank reports it."""
-    from accessory.serve.engine import GenerationService
+    from accessory.serve.service import GenerationService
 
     model = cli.load_model(args, warmup=True)
     images = None if args.image_transform is None else image_reader(model, args)  # before the page is served
@@ -257,7 +257,7 @@ def submit(service, messages: Messages, sampling: dict, template, image):
     """The service's handle for the request, or a gradio error (a message on the page) saying why it refused."""
     import gradio as gr
 
-    from accessory.serve.engine import QueueFull, ServiceClosed
+    from accessory.serve.service import QueueFull, ServiceClosed
 
     try:
         return service.submit_chat(messages, sampling, template=template, image=image)

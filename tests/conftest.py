@@ -58,7 +58,7 @@ def gemma3_gguf() -> Path:
 def tiny_checkpoints(tmp_path_factory, llama_tokenizer):
     """{(config name, shard count): folder} for every tiny config and every shard count it allows of 1, 2, 3."""
     from accessory.checkpoint.save import save_checkpoint
-    from accessory.model.LLM.llama import ModelArgs
+    from accessory.network.LLM.llama import ModelArgs
 
     root = tmp_path_factory.mktemp("tiny")
     folders = {}

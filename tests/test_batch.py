@@ -375,7 +375,7 @@ def test_jobs_render_messages_with_the_template_and_count_prompt_tokens(llama_to
 
     from accessory.batch import Record, render_jobs
     from accessory.data.conversation import get_conversation
-    from accessory.model.tokenizer import Tokenizer
+    from accessory.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_path(llama_tokenizer)
     records = [Record(1, "a", prompt="Once upon a time"), Record(2, "b", messages=[{"role": "user", "content": "Hi"}]),

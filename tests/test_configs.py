@@ -223,7 +223,7 @@ PUBLISHED = {
 @pytest.mark.parametrize("path", MODEL_PRESETS, ids=lambda p: p.stem)
 def test_model_preset_builds_the_published_model(path, tmp_path):
     from accessory.checkpoint.config import read_spec
-    from accessory.model.LLM.llama import ModelArgs, Transformer
+    from accessory.network.LLM.llama import ModelArgs, Transformer
     from accessory.parallel import ParallelContext
 
     assert path.stem in PUBLISHED, f"{path}: add its published parameter count and FFN size to PUBLISHED"
@@ -243,8 +243,8 @@ def test_llama31_rope_scaling_matches_transformers(path):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from accessory.model.components import rope_frequencies
-    from accessory.model.LLM.llama import ModelArgs
+    from accessory.network.components import rope_frequencies
+    from accessory.network.LLM.llama import ModelArgs
 
     args = ModelArgs.from_dict(json.loads(path.read_text()))
     hf_config = LlamaConfig(hidden_size=args.dim, num_attention_heads=args.n_heads, rope_theta=args.rope_theta,
@@ -396,7 +396,7 @@ def test_yarn_rope_scaling_matches_transformers(scaling):
     from transformers import Qwen2Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from accessory.model.components import rope_frequencies
+    from accessory.network.components import rope_frequencies
 
     hf_config = Qwen2Config(hidden_size=1024, num_attention_heads=8,
                             rope_parameters={**scaling, "rope_theta": 1e6}, max_position_embeddings=131072)

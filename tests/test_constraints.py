@@ -27,14 +27,14 @@ def model(request, tiny_checkpoints, smollm2_checkpoint):
 
 @pytest.fixture
 def service(model):
-    from accessory.serve.engine import GenerationService
+    from accessory.serve.service import GenerationService
 
     return GenerationService(model)
 
 
 def complete(model, constraint: Constraint, seeds=range(6), max_gen_len=60) -> list:
     """The finished events of one request per seed, all decoding together."""
-    from accessory.serve.engine import GenerationService
+    from accessory.serve.service import GenerationService
 
     service = GenerationService(model)
     handles = [service.submit_tokens(service.encode("Answer:"), {"max_gen_len": max_gen_len, "temperature": 1.0,

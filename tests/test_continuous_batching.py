@@ -123,7 +123,7 @@ def test_ranks_run_the_same_plans_as_requests_arrive(tiny_checkpoints):
 # ---- the service's queue ---------------------------------------------------------------------------------------------
 
 def test_the_queue_is_bounded_and_closes_on_shutdown(model):
-    from accessory.serve.engine import GenerationService, QueueFull, ServiceClosed
+    from accessory.serve.service import GenerationService, QueueFull, ServiceClosed
 
     service = GenerationService(model, max_queue=2, grace_s=0)
     service.submit("Hi", {"max_gen_len": 4})
@@ -145,7 +145,7 @@ def test_http_429_when_the_queue_is_full(model):
     from fastapi.testclient import TestClient
 
     from accessory.serve.api import create_app
-    from accessory.serve.engine import GenerationService
+    from accessory.serve.service import GenerationService
 
     service = GenerationService(model, max_queue=1)
     service.submit("Hi", {"max_gen_len": 4})  # not running: it waits

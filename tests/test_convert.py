@@ -56,7 +56,7 @@ def tiny_hf(tied: bool, rope_scaling: dict):
 def test_hf_to_accessory_to_hf_round_trip(tmp_path, llama_tokenizer, tied, rope, shard_size):
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from accessory.model.tokenizer import Tokenizer
+    from accessory.text.tokenizer import Tokenizer
 
     original = tiny_hf(tied, rope)
     original.save_pretrained(tmp_path / "hf")
@@ -95,7 +95,7 @@ def _hf_names(folder) -> list[str]:
 def test_config_to_hf_inverts_config_from_hf(name):
     """The two halves of the HF adapter are one mapping: ours -> HF -> ours is the identity on the model."""
     from accessory.checkpoint.importers.hf import config_from_hf, config_to_hf
-    from accessory.model.LLM.llama import ModelArgs
+    from accessory.network.LLM.llama import ModelArgs
 
     config = TINY_CONFIGS[name]
     back = ModelArgs(**config_from_hf(config_to_hf(config, torch.float32), "test"))

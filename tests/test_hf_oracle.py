@@ -17,7 +17,7 @@ def hf_model(config: dict):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from accessory.checkpoint.importers.hf import HF_TO_META, meta_to_hf_qk
-    from accessory.model.LLM.llama import ModelArgs
+    from accessory.network.LLM.llama import ModelArgs
 
     args = ModelArgs(**config)
     scaling = config.get("rope_scaling")

@@ -19,7 +19,7 @@ from accessory.checkpoint.importers import (ImportedModel, expand_templates, exp
 from accessory.checkpoint.importers.gguf import GGUF_TO_META, llama3_scaling_from_freqs
 from accessory.checkpoint.importers.hf import HF_TO_META
 from accessory.errors import CheckpointError, ConfigError
-from accessory.model.LLM.llama import ModelArgs
+from accessory.network.LLM.llama import ModelArgs
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DIM, N_HEADS, N_KV_HEADS, N_LAYERS, HIDDEN, VOCAB = 64, 4, 2, 2, 96, 80  # the tiny models below (GQA: 2 q per kv)

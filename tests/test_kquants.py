@@ -111,7 +111,7 @@ def test_quantized_linear_equals_f_linear_on_the_dequantized_weight(fmt, rows):
 
 def test_a_block_format_embedding_looks_up_dequantized_rows():
     """A GGUF's token_embd may be Q4_K or Q6_K: the lookup dequantizes the rows it reads, as the whole table does."""
-    from accessory.quant.weight import QuantizedWeight
+    from accessory.parallel.quantized_weight import QuantizedWeight
 
     table = QuantizedWeight("q6_k", 80, 512)
     table.q.copy_(torch.from_numpy(random_blocks("q6_k", 80, 512)))
@@ -172,9 +172,9 @@ def test_a_split_off_the_blocks_is_refused_by_name():
     """At 2 ranks the attention output's 256 inputs split 128 + 128 by heads: whole Q5_0 blocks of 32, not whole
     Q4_K blocks of 256. The refusal names the weight, the rank count and the block."""
     from accessory.errors import ConfigError
-    from accessory.model.LLM.llama import ModelArgs, Transformer
+    from accessory.network.LLM.llama import ModelArgs, Transformer
     from accessory.parallel import ParallelContext
-    from accessory.quant.weight import QuantizedWeight
+    from accessory.parallel.quantized_weight import QuantizedWeight
 
     args = ModelArgs(**CONFIG)
     with torch.device("meta"):

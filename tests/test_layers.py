@@ -10,15 +10,15 @@ from conftest import REPO
 
 # Lowest first. A module belongs to the longest prefix listed; each may import its own layer and those below.
 LAYERS = [
-    ("accessory.errors", "accessory.jsonfile", "accessory.cache", "accessory.presets"),
-    ("accessory.model.tokenizer", "accessory.model.template_sandbox", "accessory.data"),  # text
-    ("accessory.quant.formats",),
+    ("accessory.errors", "accessory.jsonfile", "accessory.cache_dir", "accessory.presets"),  # base
+    ("accessory.text", "accessory.data"),  # tokenizers, chat templates, conversation templates, images
+    ("accessory.quant",),  # the quantized formats (pure torch)
     ("accessory.kernels",),
-    ("accessory.quant",),
-    ("accessory.parallel",),
-    ("accessory.model.components", "accessory.model.vision", "accessory.model.LLM", "accessory.model.memory"),  # model
+    ("accessory.parallel",),  # process groups, tensor-parallel layers, quantized weights
+    ("accessory.network",),  # the blocks, the decoder and its families, the vision tower
     ("accessory.checkpoint", "accessory.generation"),  # side by side: neither imports the other
-    ("accessory.model.meta",),  # the facade
+    ("accessory.runtime",),  # what MetaModel does: loading, prompts, scoring
+    ("accessory.model",),  # the facade: MetaModel
     ("accessory.cli", "accessory.serve", "accessory.batch", "accessory.__main__", "accessory"),  # interfaces
 ]
 SIBLINGS = {"accessory.checkpoint": "accessory.generation", "accessory.generation": "accessory.checkpoint"}
@@ -76,3 +76,57 @@ def test_no_module_imports_names_from_its_own_package():
                 if names:
                     wrong.append(f"{module}: from {package} import {', '.join(names)}")
     assert not wrong, "\n".join(wrong)
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def import_graph(name_of) -> dict[str, set[str]]:
+    """Every import (top-level or inside a function) between accessory's modules, each end mapped by `name_of`."""
+    known = modules()
+    graph: dict[str, set[str]] = {}
+    for module, path in known.items():
+        for target in imports(path):
+            while target not in known:  # `from pkg.mod import name` imports pkg.mod; a name is no module
+                target = target.rpartition(".")[0]
+            if name_of(target) != name_of(module):
+                graph.setdefault(name_of(module), set()).add(name_of(target))
+    return graph
+
+
+def test_no_module_or_package_cycles():
+    """No module imports itself back through others (lazy imports included), and no package does: a package is
+    accessory's top-level module or folder (accessory.checkpoint, accessory.network, ...)."""
+    def package(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    assert not cycles(import_graph(lambda module: module)), "module cycles"
+    assert not cycles(import_graph(package)), "package cycles"

@@ -199,7 +199,7 @@ def test_compiled_equals_transformers(models):
     assert greedy_ids(model, prompts(), GEN_STEPS) == expected
     # the compiled step's logits equal eager decode's at 1 row (gathered) and 2 (all experts): the tokens alone
     # hardly depend on the experts in so small a model
-    from accessory.model.components import Segment, decode_mask
+    from accessory.network.components import Segment, decode_mask
 
     llma, ids = model.llma, prompts()[1]
     with torch.inference_mode():
@@ -278,7 +278,7 @@ def test_routing_keeps_tokens_to_their_experts(monkeypatch):
     """Two halves of a batch whose routers pick disjoint experts (0, 1 against 2, 3): each expert multiplies only
     the tokens that chose it, and every dispatch (grouped, the static step's gather at one token and its all-experts
     form at many) gives each half what it gives alone and what the router-weighted sum of the two experts gives."""
-    from accessory.model.components import MoEConfig, MoEFeedForward
+    from accessory.network.components import MoEConfig, MoEFeedForward
     from accessory.parallel import ParallelContext
 
     dim, hidden = 32, 64
@@ -331,7 +331,7 @@ def test_routing_keeps_tokens_to_their_experts(monkeypatch):
 
 def test_a_bad_moe_config_is_refused(tmp_path):
     from accessory.errors import ConfigError
-    from accessory.model.LLM.mixtral import ModelArgs
+    from accessory.network.LLM.mixtral import ModelArgs
 
     with pytest.raises(ConfigError, match="num_experts_per_tok \\(3\\) exceeds num_experts \\(2\\)"):
         ModelArgs.from_dict({"moe": {"num_experts": 2, "num_experts_per_tok": 3}}, "config.json")

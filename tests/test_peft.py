@@ -89,7 +89,7 @@ ACCESSORY_LAYER0 = [f"layers.0.{linear}.{p}" for linear in LINEARS
 
 
 def test_parameter_names_are_llama2_accessorys():
-    from accessory.model.LLM import model_classes
+    from accessory.network.LLM import model_classes
     from accessory.parallel import ParallelContext
 
     model_args, transformer = model_classes("llama_peft")
@@ -173,7 +173,7 @@ def run_models(folder_lists: dict, dtype: torch.dtype = torch.float32) -> dict:
 
 @pytest.fixture(scope="module")
 def merged(ckpt) -> Path:
-    from accessory.checkpoint.lora import merge_lora
+    from accessory.checkpoint.merge_lora import merge_lora
 
     return merge_lora([ckpt["base"], ckpt["zero_bias"]], ckpt["root"] / "merged", shards=1)
 
@@ -182,7 +182,7 @@ def merged(ckpt) -> Path:
 def results(ckpt, merged) -> dict:
     """{world: [per-rank results]}: the stacked PEFT folders at 2 and 3 ranks (3 splits FFN 100 unevenly), the GQA
     one at 4 ranks, and at 1 rank all of these, the merged plain checkpoints and the base."""
-    from accessory.checkpoint.lora import merge_lora
+    from accessory.checkpoint.merge_lora import merge_lora
 
     stacked = {name: [ckpt["base"], ckpt[name]] for name in ("zero_bias", "bias")}
     # GQA in float64: in float32 the merged and unmerged sums round differently by up to ~1.3e-5 on these logits
@@ -276,7 +276,7 @@ def test_merged_folder_is_a_plain_llama_with_config_and_tokenizer(ckpt, merged):
 
 
 def test_merge_refuses_nonzero_biases_naming_them(ckpt, tmp_path):
-    from accessory.checkpoint.lora import merge_lora
+    from accessory.checkpoint.merge_lora import merge_lora
     from accessory.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match=r"14 bias tensor\(s\) are non-zero: layers\.0\.attention\.wk\.bias, "
@@ -286,7 +286,7 @@ def test_merge_refuses_nonzero_biases_naming_them(ckpt, tmp_path):
 
 
 def test_merge_refuses_existing_destination_plain_llama_and_impossible_shard_count(ckpt, tmp_path):
-    from accessory.checkpoint.lora import merge_lora
+    from accessory.checkpoint.merge_lora import merge_lora
     from accessory.errors import CheckpointError, ConfigError
 
     with pytest.raises(CheckpointError, match="already exists"):
@@ -300,7 +300,7 @@ def test_merge_refuses_existing_destination_plain_llama_and_impossible_shard_cou
 
 def test_interrupted_merge_leaves_nothing_behind(ckpt, tmp_path, monkeypatch):
     from accessory.checkpoint import save
-    from accessory.checkpoint.lora import merge_lora
+    from accessory.checkpoint.merge_lora import merge_lora
 
     real_save, calls = torch.save, []
 

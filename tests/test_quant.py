@@ -195,7 +195,7 @@ def test_models_give_the_same_tokens_at_1_3_and_9_ranks(tokens_by_ranks, world):
 
 
 def test_quantized_answers_say_paris(tokens_by_ranks, smollm2_checkpoint):
-    from accessory.model.tokenizer import Tokenizer
+    from accessory.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_path(smollm2_checkpoint)
     for name, ids in tokens_by_ranks[1][0].items():
@@ -290,7 +290,7 @@ def test_a_split_off_the_quantization_groups_is_refused_by_name():
     """At 2 ranks the tiny model's 96 attention outputs (and embedding features) split 48 + 48: not whole groups
     of 32. The refusal names the weight, the slice, the rank count and the group size."""
     from accessory.errors import ConfigError
-    from accessory.model.LLM.llama import ModelArgs, Transformer
+    from accessory.network.LLM.llama import ModelArgs, Transformer
     from accessory.parallel import ParallelContext
 
     from tiny import TINY_CONFIGS

@@ -24,7 +24,7 @@ def float_import(gemma3_gguf, tmp_path_factory):
     from accessory.checkpoint.direct import imported
     from accessory.checkpoint.save import save_checkpoint
     from accessory.model.meta import MetaModel
-    from accessory.model.tokenizer import find_tokenizer_for
+    from accessory.text.tokenizer import find_tokenizer_for
     from accessory.quant.formats import dequantize
 
     kept = imported(gemma3_gguf)
@@ -41,7 +41,7 @@ def float_import(gemma3_gguf, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompt_ids(float_import) -> list[list[int]]:
-    from accessory.model.tokenizer import Tokenizer, find_tokenizer
+    from accessory.text.tokenizer import Tokenizer, find_tokenizer
 
     tokenizer = Tokenizer.from_path(find_tokenizer([float_import]))
     return [tokenizer.encode(p, bos=True, eos=False) for p in PROMPTS]

@@ -65,7 +65,7 @@ def greedy_tokens(folder) -> list[int]:
 
 @pytest.fixture(scope="module")
 def hf_greedy_on_gguf(smollm2_hf, smollm2_checkpoint):
-    from accessory.model.tokenizer import Tokenizer
+    from accessory.text.tokenizer import Tokenizer
 
     ids = Tokenizer.from_path(smollm2_checkpoint).encode_chat(QUESTION)
     tokens = torch.tensor([ids])

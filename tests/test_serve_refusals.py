@@ -35,7 +35,7 @@ def api(tiny):
     from starlette.testclient import TestClient
 
     from accessory.serve.api import create_app
-    from accessory.serve.engine import GenerationService
+    from accessory.serve.service import GenerationService
 
     service = GenerationService(tiny, heartbeat_s=0.2)
     runner = threading.Thread(target=service.run, daemon=True)
@@ -102,7 +102,7 @@ def smollm2_api(smollm2_checkpoint):
 
     from accessory.model.meta import MetaModel
     from accessory.serve.api import create_app
-    from accessory.serve.engine import GenerationService
+    from accessory.serve.service import GenerationService
 
     service = GenerationService(MetaModel.from_pretrained(smollm2_checkpoint, max_seq_len=256))
     with TestClient(create_app(service, "smol")) as client:
@@ -195,7 +195,7 @@ def test_a_group_failing_mid_stream_counts_the_tokens_sent_and_shows_no_paths(ti
 
     from accessory.generation.scheduler import Scheduler
     from accessory.serve.api import create_app
-    from accessory.serve.engine import GenerationService
+    from accessory.serve.service import GenerationService
 
     service, broken = GenerationService(tiny, heartbeat_s=0.2), threading.Event()
     step = Scheduler.step

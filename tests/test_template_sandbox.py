@@ -1,4 +1,4 @@
-"""Chat templates are untrusted code from checkpoints: accessory/model/template_sandbox.py bounds every value a
+"""Chat templates are untrusted code from checkpoints: accessory/text/template_sandbox.py bounds every value a
 rendering builds, not only its output, and must still render real templates exactly as transformers does.
 
 Oracles: transformers' own chat-template environment rendering the same template and conversation; for the
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from accessory.errors import TokenizerError
-from accessory.model.template_sandbox import TEMPLATE_CHARS, template_environment
-from accessory.model.tokenizer import Tokenizer
+from accessory.text.template_sandbox import TEMPLATE_CHARS, template_environment
+from accessory.text.tokenizer import Tokenizer
 
 TEMPLATES = sorted((Path(__file__).parent / "data" / "chat_templates").glob("*.jinja"))
 TOOLS = [{"type": "function", "function": {
@@ -116,7 +116,7 @@ HOSTILE = {
 CONFINED = """
 import json, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
-from accessory.model.template_sandbox import template_environment
+from accessory.text.template_sandbox import template_environment
 outcomes = {}
 for name, text in json.load(sys.stdin).items():
     env = template_environment()

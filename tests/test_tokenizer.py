@@ -1,4 +1,4 @@
-"""accessory.model.tokenizer against its oracles: the HF transformers tokenizer loaded from the same files
+"""accessory.text.tokenizer against its oracles: the HF transformers tokenizer loaded from the same files
 (SmolLM2-135M-Instruct: tokenizer.json, ChatML), sentencepiece itself (a LLaMA tokenizer.model), and hand-checked ids.
 """
 import importlib.util
@@ -11,7 +11,7 @@ import pytest
 import sentencepiece
 
 from accessory.errors import TokenizerError
-from accessory.model.tokenizer import Tokenizer, find_tokenizer
+from accessory.text.tokenizer import Tokenizer, find_tokenizer
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 IM_START, IM_END, ENDOFTEXT = 1, 2, 0  # SmolLM2's ids of <|im_start|> (its bos_token), <|im_end|> (eos), <|endoftext|>

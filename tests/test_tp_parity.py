@@ -16,7 +16,7 @@ PROMPTS = ["The quick brown fox", "Tensor parallel inference is"]
 
 
 def allowed(config_name: str, world: int) -> bool:
-    from accessory.model.LLM.llama import ModelArgs
+    from accessory.network.LLM.llama import ModelArgs
 
     return ModelArgs(**TINY_CONFIGS[config_name]).parallel_size_problem(world) is None
 

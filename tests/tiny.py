@@ -18,7 +18,7 @@ TINY_CONFIGS = {
 
 def tiny_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     """Full (unsharded) weights in Meta names; scaled so activations stay O(1) and logits are well separated."""
-    from accessory.model.LLM.llama import ModelArgs, Transformer
+    from accessory.network.LLM.llama import ModelArgs, Transformer
     from accessory.parallel import ParallelContext
 
     args = ModelArgs(**config)

@@ -75,7 +75,7 @@ class CheckpointSpec:
 def read_spec(folders: Sequence[Path], llama_type: Optional[str] = None,
               llama_config: Sequence[str] = ()) -> CheckpointSpec:
     """Merge meta.json / params.json / config.json of every folder, then `llama_config`; check every key."""
-    from accessory.model.LLM import model_classes
+    from accessory.network.LLM import model_classes
 
     found_type, config_files, quantization = None, [], None
     for folder in folders:

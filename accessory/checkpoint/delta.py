@@ -14,10 +14,10 @@ from typing import Optional
 
 import torch
 
-from accessory.checkpoint.formats import ADDITIVE, IGNORED_KEYS, find_shards
-from accessory.checkpoint.load import Term, _listing, open_checkpoint
+from accessory.checkpoint.shard_files import ADDITIVE, IGNORED_KEYS, find_shards
+from accessory.checkpoint.load import Term, open_checkpoint
 from accessory.checkpoint.reshard import write_streamed
-from accessory.errors import CheckpointError
+from accessory.errors import CheckpointError, listing
 
 
 def extract_delta(base: Path, finetuned: Path, dst: Path, shards: Optional[int] = None,
@@ -70,4 +70,4 @@ def _require_keys(base_terms: dict, other: dict, base: Path, folder: Path, role:
     missing = sorted(key for key in base_terms if key not in IGNORED_KEYS and not has(key))
     if missing:
         raise CheckpointError(f"{folder}: the {role} lacks {len(missing)} tensor(s) of the base {base}: "
-                              f"{_listing(missing)} (made from another model?)")
+                              f"{listing(missing)} (made from another model?)")

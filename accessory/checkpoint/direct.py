@@ -16,7 +16,7 @@ import json
 import logging
 from pathlib import Path
 
-from accessory.cache import cache_folder
+from accessory.cache_dir import cache_folder
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from accessory.errors import AccessoryError, CheckpointError
+from accessory.errors import AccessoryError, CheckpointError, listing
 
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                    "pytorch_model.bin.index.json")
@@ -76,7 +76,7 @@ def _not_a_checkpoint(report: Report, path: Path) -> None:
 # ---- accessory / Meta shard folders ----------------------------------------------------------------------------
 
 def _inspect_shards(report: Report, folder: Path) -> None:
-    from accessory.checkpoint.formats import find_shards, read_shard
+    from accessory.checkpoint.shard_files import find_shards, read_shard
 
     shards = find_shards(folder)
     report.format, report.files = shards.kind, [p.name for p in shards.files]
@@ -99,7 +99,7 @@ def _inspect_shards(report: Report, folder: Path) -> None:
 
 def _check_same_keys(report: Report, opened: dict) -> None:
     """Every shard holds the same tensors, except a mixture's experts (each in the shards its expert is on)."""
-    from accessory.checkpoint.load import EXPERT_KEY, _listing
+    from accessory.checkpoint.load import EXPERT_KEY
 
     if not opened:
         return
@@ -109,7 +109,7 @@ def _check_same_keys(report: Report, opened: dict) -> None:
         extra = sorted(k for k in tensors.keys() - first.keys() if not EXPERT_KEY.search(k))
         if missing or extra:
             report.problems.append(f"{path}: holds other tensors than {first_path.name}: missing "
-                                   f"[{_listing(missing)}], extra [{_listing(extra)}]")
+                                   f"[{listing(missing)}], extra [{listing(extra)}]")
 
 
 def _check_pieces(report: Report, folder: Path, opened: list[dict], shapes: dict) -> None:
@@ -135,7 +135,7 @@ def _describe_model(report: Report, folders: list[Path], tokenizer_path=None) ->
     """Fill llama_type, config and tokenizer from the files beside the weights; the model's key -> full shape."""
     from accessory.checkpoint.config import read_spec, resolved_config
     from accessory.checkpoint.importers.shards import model_layout
-    from accessory.model.tokenizer import find_tokenizer_for
+    from accessory.text.tokenizer import find_tokenizer_for
 
     tokenizer = None
     try:
@@ -268,7 +268,7 @@ def _inspect_gguf(report: Report, path: Path) -> None:
 
 
 def _fill_from_import(report: Report, imported, tokenizer_folder: Path) -> None:
-    from accessory.model.tokenizer import Tokenizer, find_tokenizer
+    from accessory.text.tokenizer import Tokenizer, find_tokenizer
 
     report.llama_type, report.config = imported.llama_type, imported.config
     report.dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in imported.state_dict.values()})

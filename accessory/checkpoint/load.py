@@ -22,10 +22,10 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from accessory.checkpoint.formats import ADDITIVE, IGNORED_KEYS, Piece, find_shards, read_shard
-from accessory.errors import CheckpointError
+from accessory.checkpoint.shard_files import ADDITIVE, IGNORED_KEYS, Piece, find_shards, read_shard
+from accessory.errors import CheckpointError, listing
 from accessory.parallel import Shard, global_shape, shard_of
-from accessory.quant.weight import QuantizedWeight
+from accessory.parallel.quantized_weight import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def open_checkpoint(folders: Sequence[Path]) -> dict[str, list[Term]]:
         for path, tensors in zip(shards.files, opened):
             absent = [key for key in keys if key not in tensors and not EXPERT_KEY.search(key)]
             if absent:
-                raise CheckpointError(f"{path}: lacks tensors other shards of {folder} hold ({_listing(absent)}); "
+                raise CheckpointError(f"{path}: lacks tensors other shards of {folder} hold ({listing(absent)}); "
                                       f"the shards are from different checkpoints")
         for key in keys:  # an expert's pieces: those of the shards holding it, in shard order
             term = Term([tensors[key] for tensors in opened if key in tensors], folder)
@@ -64,7 +64,7 @@ EXPERT_KEY = re.compile(r"\.experts\.\d+\.")
 def load_weights(model: nn.Module, folders: Sequence[Path], progress: bool = True) -> None:
     """Fill every tensor of a materialized model from the checkpoint folders; keys must match exactly.
 
-    A quantized weight (quant/weight.py) loads its parts as they are from a quantized checkpoint, or is quantized
+    A quantized weight (quantized_weight.py) loads its parts as they are from a quantized checkpoint, or is quantized
     while loading from a float one: this rank's float slice, one tensor at a time, so no float copy of the whole
     model ever exists."""
     sources = open_checkpoint(folders)
@@ -146,10 +146,10 @@ def key_mismatch(found, wanted) -> Optional[str]:
     missing = sorted(set(wanted) - set(found))
     unexpected = sorted(set(found) - set(wanted) - IGNORED_KEYS)
     if missing:
-        return (f"checkpoint lacks {len(missing)} tensor(s) the model needs: {_listing(missing)} "
+        return (f"checkpoint lacks {len(missing)} tensor(s) the model needs: {listing(missing)} "
                 f"(wrong llama_type or config, or a partial checkpoint?)")
     if unexpected:
-        return (f"checkpoint has {len(unexpected)} tensor(s) the model does not use: {_listing(unexpected)} "
+        return (f"checkpoint has {len(unexpected)} tensor(s) the model does not use: {listing(unexpected)} "
                 f"(wrong llama_type or config?)")
     return None
 
@@ -160,7 +160,7 @@ def copy_slice(dest: torch.Tensor, pieces: list[Piece], shard: Optional[Shard], 
     if shard is not None:
         if shard.stop - shard.start < shard.local_size:
             dest.zero_()  # padding of an uneven split must be zeros (see parallel/layers.py)
-    for piece, piece_dim, offset in _layout(pieces, full_shape, what):
+    for piece, piece_dim, offset in piece_layout(pieces, full_shape, what):
         src = [slice(None)] * dest.dim()
         dst = [slice(None)] * dest.dim()
         if shard is not None and piece_dim == shard.dim:
@@ -177,13 +177,13 @@ def copy_slice(dest: torch.Tensor, pieces: list[Piece], shard: Optional[Shard], 
         dest[tuple(dst)].copy_(piece.read(tuple(src)))
 
 
-def _layout(pieces: list[Piece], full_shape: list[int], what: str) -> list[tuple[Piece, Optional[int], int]]:
+def piece_layout(pieces: list[Piece], full_shape: list[int], what: str) -> list[tuple[Piece, Optional[int], int]]:
     """(piece, the dimension the checkpoint split, the piece's offset along it) for the distinct pieces."""
     shapes = [list(p.shape) for p in pieces]
     if all(s == full_shape for s in shapes):
         return [(pieces[0], None, 0)]  # replicated in every shard (or a single shard)
     split = [d for d in range(len(full_shape)) if len(shapes[0]) == len(full_shape) and shapes[0][d] != full_shape[d]]
-    mismatch = CheckpointError(f"{what}: shard shape(s) {_shape_listing(shapes)} do not assemble into the model's "
+    mismatch = CheckpointError(f"{what}: shard shape(s) {_shapelisting(shapes)} do not assemble into the model's "
                                f"shape {full_shape} (wrong config or llama_type?)")
     if len(split) != 1 or any(s[:split[0]] + s[split[0] + 1:] != shapes[0][:split[0]] + shapes[0][split[0] + 1:]
                               for s in shapes):
@@ -203,12 +203,7 @@ def _layout(pieces: list[Piece], full_shape: list[int], what: str) -> list[tuple
     return layout
 
 
-def _listing(keys: list[str], limit: int = 12) -> str:
-    shown = ", ".join(keys[:limit])
-    return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
-
-
-def _shape_listing(shapes: list[list[int]]) -> str:
+def _shapelisting(shapes: list[list[int]]) -> str:
     distinct = []
     for s in shapes:
         if s not in distinct:
@@ -219,12 +214,12 @@ def _shape_listing(shapes: list[list[int]]) -> str:
 def split_dim(pieces: list[Piece], full_shape: list[int], what: str) -> Optional[int]:
     """The dimension the checkpoint split a tensor along across its shards (None: replicated, or one shard), as
     loading reads it; CheckpointError naming `what` if the pieces do not assemble into `full_shape`."""
-    return _layout(pieces, list(full_shape), what)[0][1]
+    return piece_layout(pieces, list(full_shape), what)[0][1]
 
 
 def assemble(pieces: list[Piece], full_shape: list[int], what: str) -> torch.Tensor:
     """The whole tensor (in the shards' dtype) that `pieces` are split from, shaped `full_shape`."""
-    layout = _layout(pieces, list(full_shape), what)
+    layout = piece_layout(pieces, list(full_shape), what)
     if layout[0][1] is None:
         return layout[0][0].read(())  # one piece is the whole tensor: a view of the memory-mapped file, no copy
     full = torch.empty(full_shape, dtype=pieces[0].dtype)

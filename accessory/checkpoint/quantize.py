@@ -15,13 +15,13 @@ from typing import Optional
 import torch
 
 from accessory.checkpoint.config import read_spec, resolved_config
-from accessory.checkpoint.formats import find_shards
+from accessory.checkpoint.shard_files import find_shards
 from accessory.checkpoint.load import load_weights, open_checkpoint
 from accessory.checkpoint.reshard import refuse_overlap
 from accessory.checkpoint.save import save_checkpoint
 from accessory.errors import CheckpointError
-from accessory.model.LLM import model_classes
-from accessory.model.tokenizer import find_tokenizer_for
+from accessory.network.LLM import model_classes
+from accessory.text.tokenizer import find_tokenizer_for
 from accessory.parallel import ParallelContext
 from accessory.quant.formats import GROUP, check_format
 

@@ -18,12 +18,12 @@ import torch
 from tqdm import tqdm
 
 from accessory.checkpoint.config import CONFIG_FILES, read_spec, resolved_config
-from accessory.checkpoint.formats import ADDITIVE, IGNORED_KEYS, find_shards
-from accessory.checkpoint.load import Term, _layout, copy_sum, open_checkpoint
+from accessory.checkpoint.shard_files import ADDITIVE, IGNORED_KEYS, find_shards
+from accessory.checkpoint.load import Term, copy_sum, open_checkpoint, piece_layout
 from accessory.checkpoint.save import atomic_folder, is_quantized_part, meta_model, write_shard
 from accessory.errors import CheckpointError
-from accessory.model.LLM import model_classes
-from accessory.model.tokenizer import SIDE_FILES, TOKENIZER_FILES, find_tokenizer_for
+from accessory.network.LLM import model_classes
+from accessory.text.tokenizer import SIDE_FILES, TOKENIZER_FILES, find_tokenizer_for
 from accessory.parallel import Shard, global_shape, shard_of
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ def _check_layouts(terms: dict[str, list[Term]], model, shards: int) -> None:
         for term in key_terms:
             if key in params:
                 param, shard = params[key]
-                _layout(term.pieces, global_shape(param, shard), f"{term.folder}: tensor {key!r}")
+                piece_layout(term.pieces, global_shape(param, shard), f"{term.folder}: tensor {key!r}")
             elif len(term.pieces) != shards:
                 raise CheckpointError(
                     f"{term.folder}: tensor {key!r} is not a parameter of the model type in meta.json, so how it is "

@@ -26,11 +26,11 @@ import torch
 from tqdm import tqdm
 
 from accessory.checkpoint.config import Quantization
-from accessory.checkpoint.formats import shard_name
+from accessory.checkpoint.shard_files import shard_name
 from accessory.errors import CheckpointError
-from accessory.model.LLM import model_classes
+from accessory.network.LLM import model_classes
 from accessory.parallel import ParallelContext, global_shape, shard_of
-from accessory.quant.weight import QuantizedWeight
+from accessory.parallel.quantized_weight import QuantizedWeight
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ def check_messages(messages: list[dict]) -> None:
 def with_image_placeholder(messages: list[dict]) -> list[dict]:
     """The messages with the image placeholder opening the first user message, where LLaVA puts the image, unless
     a message already says where it goes."""
-    from accessory.model.tokenizer import IMAGE_PLACEHOLDER
+    from accessory.text.tokenizer import IMAGE_PLACEHOLDER
 
     if any(IMAGE_PLACEHOLDER in str(m.get("content") or "") for m in messages):
         return messages

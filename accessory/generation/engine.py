@@ -32,8 +32,8 @@ from accessory.errors import ConfigError, RanksDisagree
 from accessory.generation.prefix import RetainedRows, plan_reuse, waves
 from accessory.generation.scheduler import Event, Follower, Plan, Request, Scheduler
 from accessory.parallel.watchdog import announce_failure, await_verdict_on_silent_ranks
-from accessory.model.components import Segment, decode_mask
-from accessory.model.vision import image_key
+from accessory.network.components import Segment, decode_mask
+from accessory.network.vision import image_key
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import torch
 
 from accessory.generation.constraints import Matcher
 from accessory.generation.sampling import NAN_LOGITS, Penalties, SamplingError, SamplingParams, greedy, sample
-from accessory.generation.text import RowText
+from accessory.generation.detokenizer import RowText
 
 log = logging.getLogger(__name__)
 # How a request ended, as a plan sends it (0: it goes on). "error": this request failed; the others go on.

@@ -5,7 +5,7 @@ around it) are compiled at first use with the machine's compilers, `-O3 -march=n
 headers (about 6 seconds), into $ACCESSORY_CACHE/kernels/<hash of sources, compilers, torch and CPU>/, and loaded
 with torch.ops.load_library. They share torch's OpenMP runtime (both use libgomp.so.1), so torch.set_num_threads
 sets their threads too. Loading a library runs its code, so a cached one is loaded only from folders private to this
-user (accessory.cache.untrusted); in a shared or world-writable cache the kernels are built again in a private
+user (accessory.cache_dir.untrusted); in a shared or world-writable cache the kernels are built again in a private
 temporary folder, with a warning naming what is wrong. Without a compiler, every caller takes its portable torch
 path instead (dispatch.py).
 """
@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from accessory.cache import cache_dir, cache_folder, untrusted
+from accessory.cache_dir import cache_dir, cache_folder, untrusted
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "torch_ops.cpp")]

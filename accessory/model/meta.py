@@ -19,10 +19,10 @@ from accessory.generation.chat import render_chat
 from accessory.generation.engine import Engine, EngineSettings
 from accessory.generation.sampling import SamplingParams
 from accessory.generation.scheduler import Event, Request, fit_prompt, row_seeds
-from accessory.model.LLM import model_classes
-from accessory.model.memory import back_with_huge_pages, check_fits, return_freed_memory
-from accessory.model.tokenizer import IMAGE_PLACEHOLDER, Tokenizer, find_tokenizer
-from accessory.model.vision import ImagePlacement, optional_pixels
+from accessory.network.LLM import model_classes
+from accessory.network.memory import back_with_huge_pages, check_fits, return_freed_memory
+from accessory.text.tokenizer import IMAGE_PLACEHOLDER, Tokenizer, find_tokenizer
+from accessory.network.vision import ImagePlacement, optional_pixels
 from accessory.parallel import ParallelContext, fairscale_model_parallel_group, init_distributed
 from accessory.parallel.context import leave_at_exit
 from accessory.parallel.watchdog import start_watchdog

@@ -12,7 +12,7 @@ slicing on that (never on parameter names). A split that does not divide evenly 
 ceil(size / parts) rows and zero-fills the tail of the last ones: zero rows of w1/w3 feed zero columns of w2, and
 padded output logits are cut off after the gather. So a vocabulary or FFN size need not divide the rank count.
 
-A layer's weight is a float Parameter, or after `quantize_(fmt)` a `QuantizedWeight` (quant/weight.py) in blocks of
+A layer's weight is a float Parameter, or after `quantize_(fmt)` a `QuantizedWeight` (quantized_weight.py) in blocks of
 inputs (groups of 32 for int8 / int4, 32 or 256 for GGUF's block formats); a quantized split of the inputs is
 aligned to whole blocks (`align`), or refused where it cannot be (a split of attention heads).
 """
@@ -29,7 +29,7 @@ from torch import nn
 from accessory.parallel.context import ParallelContext
 from accessory.quant.formats import block_size
 from accessory.kernels import linear, quantized_linear
-from accessory.quant.weight import QuantizedWeight
+from accessory.parallel.quantized_weight import QuantizedWeight
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,8 @@ from accessory.generation.chat import render_chat
 from accessory.generation.constraints import Constraint, ConstraintError
 from accessory.generation.sampling import LOGIT_BIAS_RANGE, MAX_LOGPROBS, PENALTY_RANGE, REPETITION_PENALTY_RANGE
 from accessory.generation.scheduler import Event
-from accessory.model.tokenizer import IMAGE_PLACEHOLDER
-from accessory.serve.engine import FieldError, GenerationService, Handle, QueueFull, ServiceClosed
+from accessory.text.tokenizer import IMAGE_PLACEHOLDER
+from accessory.serve.service import FieldError, GenerationService, Handle, QueueFull, ServiceClosed
 
 DISCONNECT_POLL_S = 1.0  # how often a request with no new text checks whether its client is still there
 SSE_KEEPALIVE_S = 10.0  # a stream with nothing to say for this long sends a comment (proxies cut idle streams)

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from accessory.errors import FailedInStep
-from accessory.serve.engine import GenerationService
+from accessory.serve.service import GenerationService
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from accessory.errors import CheckpointError, ConfigError
+from accessory.errors import CheckpointError, ConfigError, listing
 
 
 @dataclass
@@ -41,11 +41,11 @@ def rename_strict(weights: dict[str, torch.Tensor], names: dict[str, str], sourc
     given as canonical names), is a CheckpointError naming `source` and the names."""
     unexpected = sorted(set(weights) - set(names))
     if unexpected:
-        raise CheckpointError(f"{source}: unexpected weight name(s) {_clip(unexpected)}; a checkpoint of this "
-                              f"family has only names like {_clip(sorted(names), 4)}")
+        raise CheckpointError(f"{source}: unexpected weight name(s) {bracketed(unexpected)}; a checkpoint of this "
+                              f"family has only names like {bracketed(sorted(names), 4)}")
     missing = sorted(k for k, v in names.items() if k not in weights and v not in optional)
     if missing:
-        raise CheckpointError(f"{source}: missing weight(s) {_clip(missing)}")
+        raise CheckpointError(f"{source}: missing weight(s) {bracketed(missing)}")
     return {names[k]: v for k, v in weights.items()}
 
 
@@ -53,7 +53,7 @@ def expected_shapes(args, llama_type: str = "llama") -> dict[str, tuple]:
     """Canonical name -> full tensor shape for a `ModelArgs` of `llama_type` (`output.weight` included even when
     tied), as the model itself, built at one rank on the meta device, holds them."""
     from accessory.checkpoint.save import meta_model
-    from accessory.model.LLM import model_classes
+    from accessory.network.LLM import model_classes
 
     model = meta_model(model_classes(llama_type)[1], args, 0, 1)
     shapes = {name: tuple(t.shape) for name, t in model.saved_tensors().items()}
@@ -68,14 +68,14 @@ def check_shapes(shapes: dict[str, tuple], args, source: str, llama_type: str = 
         raise CheckpointError(f"{source}: tensor shape(s) disagree with the config "
                               f"(dim={args.dim}, n_heads={args.n_heads}, n_kv_heads={args.n_kv_heads}, "
                               f"head_dim={args.head_dim}, hidden_dim={args.ffn_hidden_dim}, "
-                              f"vocab_size={args.vocab_size}): {_clip(wrong)}")
+                              f"vocab_size={args.vocab_size}): {bracketed(wrong)}")
 
 
 def validated_args(config: dict, source: str, llama_type: str = "llama"):
     """The llama_type's `ModelArgs` for a config dict (ConfigError on an unknown key or an impossible
     combination)."""
     # Imported here: the checkpoint layer sits below the model layer, and only needs the config dataclass.
-    from accessory.model.LLM import model_classes
+    from accessory.network.LLM import model_classes
     try:
         return model_classes(llama_type)[0].from_dict(config, source=source)
     except ConfigError as e:  # ModelArgs' own checks do not know the file; name it
@@ -84,6 +84,5 @@ def validated_args(config: dict, source: str, llama_type: str = "llama"):
         raise ConfigError(f"{source}: {e}") from e
 
 
-def _clip(items: list, limit: int = 8) -> str:
-    shown = ", ".join(str(x) for x in items[:limit])
-    return f"[{shown}{f', ... ({len(items) - limit} more)' if len(items) > limit else ''}]"
+def bracketed(items: list, limit: int = 8) -> str:
+    return f"[{listing(items, limit)}]"

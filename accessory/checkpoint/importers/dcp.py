@@ -16,12 +16,12 @@ import torch
 from tqdm import tqdm
 
 from accessory.checkpoint.config import read_spec, resolved_config
-from accessory.checkpoint.formats import IGNORED_KEYS
-from accessory.checkpoint.importers.common import ImportedModel, _clip
+from accessory.checkpoint.shard_files import IGNORED_KEYS
+from accessory.checkpoint.importers.common import ImportedModel, bracketed
 from accessory.checkpoint.importers.shards import model_layout
 from accessory.checkpoint.load import key_mismatch
 from accessory.errors import CheckpointError
-from accessory.model.tokenizer import find_tokenizer_for
+from accessory.text.tokenizer import find_tokenizer_for
 
 log = logging.getLogger(__name__)
 PREFIXES = ("llma.", "model.", "")
@@ -52,7 +52,7 @@ def model_prefix(keys, folder: Path) -> str:
         if prefix + "tok_embeddings.weight" in keys:
             return prefix
     raise CheckpointError(f"{folder}: no tok_embeddings.weight under any of the prefixes {list(PREFIXES)}; "
-                          f"holds {_clip(sorted(keys))}")
+                          f"holds {bracketed(sorted(keys))}")
 
 
 def _load_tensor(folder: Path, key: str, meta) -> torch.Tensor:
@@ -91,12 +91,12 @@ def read_dcp(folder, llama_type: Optional[str] = None, llama_config: Sequence[st
     ours = {k[len(prefix):]: m for k, m in entries.items() if k.startswith(prefix)}
     if skipped := sorted(k for k in entries if not k.startswith(prefix)):
         log.info("%s: skipping %d entries outside the model's %r prefix: %s", folder, len(skipped), prefix,
-                 _clip(skipped))
+                 bracketed(skipped))
     problem = key_mismatch(ours.keys(), shapes.keys())
     wrong = [f"{k}: {tuple(m.size)}, expected {shapes[k]}" for k, m in ours.items()
              if k in shapes and tuple(m.size) != shapes[k]]
     if problem or wrong:
-        raise CheckpointError(f"{folder}: {problem or 'tensor shape(s) disagree with the config: ' + _clip(wrong)}")
+        raise CheckpointError(f"{folder}: {problem or 'tensor shape(s) disagree with the config: ' + bracketed(wrong)}")
     state_dict = {k: _load_tensor(folder, prefix + k, m) for k, m in
                   tqdm(ours.items(), desc=f"reading {folder.name}", unit="tensor") if k not in IGNORED_KEYS}
     return ImportedModel(state_dict, config, tokenizer.files if tokenizer else [], spec.llama_type)

@@ -42,7 +42,7 @@ from accessory.checkpoint.importers.common import (ImportedModel, check_shapes, 
 from accessory.checkpoint.importers.families import gguf_family, with_family_names, without_dense_mlp
 from accessory.checkpoint.importers.hf import hf_to_meta_qk, rotate_half_to_interleaved
 from accessory.errors import CheckpointError, ConfigError
-from accessory.model.components import LLAMA3_ROPE_DEFAULTS, base_frequencies, llama3_scaled
+from accessory.network.components import LLAMA3_ROPE_DEFAULTS, base_frequencies, llama3_scaled
 from accessory.quant.formats import GGUF_BLOCKS
 
 # GGUF name -> canonical name; `{i}` is the layer index.

@@ -23,7 +23,7 @@ from accessory.checkpoint.importers.common import (ImportedModel, check_shapes, 
 from accessory.checkpoint.importers.families import (Family, hf_family, qk_tensors, with_family_names,
                                                       without_dense_mlp)
 from accessory.errors import CheckpointError, ConfigError
-from accessory.model.components import LLAMA3_ROPE_DEFAULTS
+from accessory.network.components import LLAMA3_ROPE_DEFAULTS
 from accessory.jsonfile import read_json_object
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ HF_TO_META = {
 # Buffers that older transformers saved in pytorch_model.bin; recomputed from the config, so dropped.
 _DERIVED_BUFFER_SUFFIX = ".self_attn.rotary_emb.inv_freq"
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "generation_config.json", "chat_template.jinja")
 
 
@@ -65,16 +65,18 @@ def hf_to_meta_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(w.shape)
 
 
-def read_hf(folder) -> ImportedModel:
-    """Read an HF folder (config.json plus model.safetensors, sharded safetensors with model.safetensors.index.json,
-    or pytorch_model.bin, sharded or not) of a known family into canonical names, q/k permuted back to Meta's layout,
-    tensors in their stored dtype. Raises CheckpointError / ConfigError naming the file and key."""
+def read_hf_config(folder: Path) -> dict:
+    """The folder's config.json."""
+    return _read_json(Path(folder) / "config.json")
+
+
+def read_causal_lm(folder: Path, hf: dict) -> ImportedModel:
+    """Read an HF folder (config.json `hf` plus model.safetensors, sharded safetensors with
+    model.safetensors.index.json, or pytorch_model.bin, sharded or not) of a known family into canonical names, q/k
+    permuted back to Meta's layout, tensors in their stored dtype. Raises CheckpointError / ConfigError naming the
+    file and key."""
     folder = Path(folder)
     config_path = folder / "config.json"
-    hf = _read_json(config_path)
-    if hf.get("model_type") == "llava":
-        from accessory.checkpoint.importers.llava import read_llava
-        return read_llava(folder, hf)
     family = hf_family(hf, str(config_path))
     config = config_from_hf(hf, str(config_path))
     validated_args(config, source=str(config_path), llama_type=family.llama_type)  # before reading any weight
@@ -82,7 +84,7 @@ def read_hf(folder) -> ImportedModel:
     if "text_config" in hf:  # Gemma3ForConditionalGeneration: its language model
         weights = _language_model_weights(weights, source)
     state_dict = language_model(weights, config, source, str(config_path), family)
-    tokenizer_files = [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
+    tokenizer_files = [folder / name for name in HF_TOKENIZER_FILES if (folder / name).is_file()]
     return ImportedModel(state_dict=state_dict, config=config, tokenizer_files=tokenizer_files,
                          llama_type=family.llama_type)
 
@@ -414,7 +416,7 @@ def _write_tokenizer(files: list[Path], folder: Path):
     if there is none, and for a SentencePiece tokenizer.model alone a tokenizer.json (transformers 5 reads a
     tokenizer.model only with protobuf installed). The tokenizer as our runtime reads it, or None (with a warning)
     when the model has none."""
-    from accessory.model.tokenizer import Tokenizer, find_tokenizer
+    from accessory.text.tokenizer import Tokenizer, find_tokenizer
 
     for path in files:
         shutil.copyfile(path, folder / Path(path).name)

@@ -15,7 +15,7 @@ from accessory.checkpoint.config import read_spec, resolved_config
 from accessory.checkpoint.importers.common import ImportedModel
 from accessory.checkpoint.load import assemble, key_mismatch, open_checkpoint
 from accessory.errors import CheckpointError
-from accessory.model.tokenizer import find_tokenizer_for
+from accessory.text.tokenizer import find_tokenizer_for
 
 
 def model_layout(llama_type: str, config: dict, source: str,
@@ -23,7 +23,7 @@ def model_layout(llama_type: str, config: dict, source: str,
     """Checkpoint key -> full tensor shape, for the tensors a model of this llama_type and config loads (the parts
     of the weights `quantization` names, for a quantized checkpoint)."""
     from accessory.checkpoint.save import meta_model
-    from accessory.model.LLM import model_classes
+    from accessory.network.LLM import model_classes
 
     model_args, transformer = model_classes(llama_type, source=source)
     args = model_args.from_dict(config, source=source)

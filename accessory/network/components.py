@@ -29,7 +29,7 @@ from accessory.kernels import ACTIVATIONS, decode_attention, expert_product, gro
 from accessory.parallel import (ColumnParallelLinear, ExpertLinear, FusedColumns, ParallelContext, RowParallelLinear,
                                 expert_placement)
 from accessory.quant.formats import GROUP, PARTS, block_size
-from accessory.quant.weight import QuantizedWeight
+from accessory.parallel.quantized_weight import QuantizedWeight
 
 
 class RMSNorm(nn.Module):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from accessory.model.LLM import mixtral
+from accessory.network.LLM import mixtral
 
 
 @dataclass

@@ -9,7 +9,7 @@ llama_peft instead, which runs under tensor parallelism as it is).
 
 Peak memory: the whole model once, in the base dtype, plus one output shard while it is written.
 
-    python -m accessory.checkpoint.lora SRC... DST [--shards N] [--dtype fp32|bf16|fp16]
+    python -m accessory.checkpoint.merge_lora SRC... DST [--shards N] [--dtype fp32|bf16|fp16]
 """
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ import torch
 from torch import nn
 
 from accessory.checkpoint.config import read_spec, resolved_config
-from accessory.checkpoint.formats import find_shards
-from accessory.checkpoint.load import _listing, load_weights, open_checkpoint
+from accessory.checkpoint.shard_files import find_shards
+from accessory.checkpoint.load import load_weights, open_checkpoint
 from accessory.checkpoint.save import save_checkpoint
-from accessory.errors import CheckpointError
-from accessory.model.LLM import model_classes
-from accessory.model.tokenizer import find_tokenizer_for
+from accessory.errors import CheckpointError, listing
+from accessory.network.LLM import model_classes
+from accessory.text.tokenizer import find_tokenizer_for
 from accessory.parallel import LoraColumnParallelLinear, LoraRowParallelLinear, ParallelContext
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def merge_lora(src_folders: Union[PathLike, Sequence[PathLike]], dst: PathLike, 
     if nonzero := _nonzero_biases(sources):
         raise CheckpointError(
             f"{', '.join(map(str, folders))}: cannot merge into a plain llama, which has no biases: "
-            f"{len(nonzero)} bias tensor(s) are non-zero: {_listing(nonzero)}. Load the checkpoint as llama_peft "
+            f"{len(nonzero)} bias tensor(s) are non-zero: {listing(nonzero)}. Load the checkpoint as llama_peft "
             f"instead (it runs under tensor parallelism as it is)")
     base_dtype = _dtype_of(sources, "tok_embeddings.weight")
     del sources  # unmaps the files it read (loading maps them again)

@@ -17,7 +17,7 @@ import tokenizers
 
 from accessory.errors import TokenizerError
 from accessory.jsonfile import read_json_object
-from accessory.model.template_sandbox import TEMPLATE_CHARS, template_environment
+from accessory.text.template_sandbox import TEMPLATE_CHARS, template_environment
 
 # When a folder holds both, tokenizer.json wins: HF repos that ship both (Llama-2, Mistral) treat tokenizer.json as
 # the complete tokenizer (it carries the added chat tokens and the BOS post-processor; transformers loads it too),

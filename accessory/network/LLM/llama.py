@@ -16,12 +16,12 @@ import torch
 from torch import nn
 
 from accessory.errors import ConfigError
-from accessory.model.components import (PLAIN, Attention, FeedForward, KVCache, Linears, MoEConfig, MoEFeedForward,
+from accessory.network.components import (PLAIN, Attention, FeedForward, KVCache, Linears, MoEConfig, MoEFeedForward,
                                         RMSNorm, Segment, decode_mask, prefill_mask, rope_frequencies, rope_table,
                                         window_prefill)
-from accessory.model.vision import ImagePlacement
+from accessory.network.vision import ImagePlacement
 from accessory.parallel import ColumnParallelLinear, ParallelContext, ParallelEmbedding
-from accessory.quant.weight import QuantizedWeight
+from accessory.parallel.quantized_weight import QuantizedWeight
 
 log = logging.getLogger(__name__)
 

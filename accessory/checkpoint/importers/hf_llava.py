@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 
 from accessory.checkpoint.importers.common import ImportedModel
-from accessory.checkpoint.importers.hf import TOKENIZER_FILES, config_from_hf, language_model, load_weights
+from accessory.checkpoint.importers.hf import HF_TOKENIZER_FILES, config_from_hf, language_model, load_weights
 from accessory.errors import CheckpointError, ConfigError
 from accessory.jsonfile import read_json_object
-from accessory.model.vision import TOWER_KEYS
+from accessory.network.vision import TOWER_KEYS
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def read_llava(folder: Path, hf: dict) -> ImportedModel:
     for prefix in ("vision_tower", "multi_modal_projector"):
         checked = _checked(parts[prefix], model.get_submodule(prefix), prefix, source)
         state_dict.update({f"{prefix}.{name}": t for name, t in checked.items()})
-    files = [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
+    files = [folder / name for name in HF_TOKENIZER_FILES if (folder / name).is_file()]
     return ImportedModel(state_dict=state_dict, config=config, tokenizer_files=files, llama_type="llava")
 
 
@@ -69,7 +69,7 @@ def llava_config(hf: dict, source: str, preprocessor: Path) -> dict:
 
 
 def _args(config: dict, source: str):
-    from accessory.model.LLM.llava import ModelArgs
+    from accessory.network.LLM.llava import ModelArgs
 
     try:
         return ModelArgs.from_dict(config, source=source)
@@ -78,14 +78,14 @@ def _args(config: dict, source: str):
 
 
 def _text_only(config: dict) -> dict:
-    from accessory.model.LLM.llama import ModelArgs
+    from accessory.network.LLM.llama import ModelArgs
 
     keys = set(ModelArgs.__dataclass_fields__)
     return {k: v for k, v in config.items() if k in keys}
 
 
 def _meta_model(args):
-    from accessory.model.LLM.llava import Transformer
+    from accessory.network.LLM.llava import Transformer
     from accessory.parallel import ParallelContext
 
     with torch.device("meta"):

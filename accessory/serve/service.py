@@ -26,7 +26,7 @@ from accessory.generation.chat import render_chat
 from accessory.generation.constraints import Constraint
 from accessory.generation.sampling import SamplingParams
 from accessory.generation.scheduler import Event, Request, row_seeds
-from accessory.model.memory import return_freed_memory
+from accessory.network.memory import return_freed_memory
 from accessory.parallel.watchdog import active_watchdog
 from accessory.serve.metrics import Timing
 

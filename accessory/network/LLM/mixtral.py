@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from accessory.model.components import MoEConfig
-from accessory.model.LLM import llama
+from accessory.network.components import MoEConfig
+from accessory.network.LLM import llama
 
 
 @dataclass

@@ -17,8 +17,8 @@ import torch
 
 from accessory.data.transform import CLIP_MEAN, CLIP_STD
 from accessory.errors import ConfigError
-from accessory.model.LLM import llama
-from accessory.model.vision import ImagePlacement, Projector, VisionTower, place_features, tower_config
+from accessory.network.LLM import llama
+from accessory.network.vision import ImagePlacement, Projector, VisionTower, place_features, tower_config
 
 STRATEGIES = ("default", "full")  # HF's vision_feature_select_strategy: drop the first (class) token, or keep all
 

@@ -13,7 +13,7 @@ ACCESSORY_MULTIMODAL = ("llama_adapter", "llama_qformer", "llama_qformerv2", "ll
 def model_classes(llama_type: str, source: str = "llama_type"):
     """(ModelArgs, Transformer) for a llama_type; an unknown one is an error, never a guess."""
     if llama_type in LLAMA_TYPES:
-        module = importlib.import_module(f"accessory.model.LLM.{llama_type}")
+        module = importlib.import_module(f"accessory.network.LLM.{llama_type}")
         return module.ModelArgs, module.Transformer
     if llama_type in ACCESSORY_MULTIMODAL:
         raise ConfigError(f"{source}: llama_type {llama_type!r} is one of LLaMA2-Accessory's multimodal types "

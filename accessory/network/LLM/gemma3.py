@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
-from accessory.model.LLM import llama
+from accessory.network.LLM import llama
 
 
 @dataclass

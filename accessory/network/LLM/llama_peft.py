@@ -12,8 +12,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from accessory.model.components import Linears
-from accessory.model.LLM import llama
+from accessory.network.components import Linears
+from accessory.network.LLM import llama
 from accessory.parallel import LoraColumnParallelLinear, LoraRowParallelLinear
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from accessory.model.LLM import llama
+from accessory.network.LLM import llama
 
 
 @dataclass

@@ -462,7 +462,7 @@ def run_weight_operate(args) -> None:
     from pathlib import Path
 
     from accessory.checkpoint.delta import apply_delta, extract_delta
-    from accessory.model.meta import DTYPES
+    from accessory.runtime.loading import DTYPES
 
     operate = apply_delta if args.operate_type == "apply" else extract_delta
     operate(Path(args.pretrained_path), Path(args.delta_path), Path(args.output_path), args.shards,
@@ -472,7 +472,7 @@ def run_weight_operate(args) -> None:
 
 def run_merge_lora(args) -> None:
     from accessory.checkpoint.merge_lora import merge_lora
-    from accessory.model.meta import DTYPES
+    from accessory.runtime.loading import DTYPES
 
     merge_lora(args.src, args.dst, args.shards, DTYPES[args.dtype] if args.dtype else None)
     print(args.dst)
@@ -491,7 +491,7 @@ def run_reshard(args) -> None:
     from pathlib import Path
 
     from accessory.checkpoint.reshard import reshard
-    from accessory.model.meta import DTYPES
+    from accessory.runtime.loading import DTYPES
 
     reshard(Path(args.src), Path(args.dst), args.shards, DTYPES[args.dtype] if args.dtype else None)
     print(args.dst)
@@ -525,7 +525,7 @@ def run_convert(args) -> None:
     from pathlib import Path
 
     from accessory.checkpoint.convert import convert
-    from accessory.model.meta import DTYPES
+    from accessory.runtime.loading import DTYPES
 
     convert(args.source, Path(args.src), Path(args.dst), args.shards, DTYPES[args.dtype] if args.dtype else None,
             args.target, args.llama_type, args.llama_config, args.tokenizer_path, args.max_shard_size,

@@ -246,7 +246,7 @@ def stream_reply(service, context: Context, text: str, history: Messages, image,
 def with_placeholder(messages: Messages) -> Messages:
     """`messages` with the image's placeholder in front of the first user message: the image is seen once, before
     the conversation about it (or the single question), where LLaVA's training data put it."""
-    from accessory.model.meta import IMAGE_PLACEHOLDER
+    from accessory.text.tokenizer import IMAGE_PLACEHOLDER
 
     first = next(i for i, m in enumerate(messages) if m["role"] == "user")
     marked = {**messages[first], "content": f"{IMAGE_PLACEHOLDER}\n{messages[first]['content']}"}

@@ -1,0 +1,150 @@
+"""Loading a model for MetaModel: the process group, the config and tokenizer checked before any weight is read,
+the network built on the meta device, quantized if asked, given memory, and each rank's slice of every tensor copied
+in (resharding as needed)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from accessory.checkpoint.config import CheckpointSpec, read_spec, resolved_config
+from accessory.checkpoint.direct import imported
+from accessory.checkpoint.load import load_weights
+from accessory.errors import ConfigError, TokenizerError
+from accessory.generation.engine import EngineSettings
+from accessory.kernels import cpu_kernels
+from accessory.network.LLM import model_classes
+from accessory.network.memory import back_with_huge_pages, check_fits, return_freed_memory
+from accessory.parallel import ParallelContext, fairscale_model_parallel_group, init_distributed
+from accessory.parallel.context import leave_at_exit
+from accessory.parallel.watchdog import start_watchdog
+from accessory.text.tokenizer import Tokenizer, find_tokenizer
+
+log = logging.getLogger(__name__)
+
+PathLike = Union[str, Path]
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+@dataclass
+class Loaded:
+    """What `load` gives MetaModel: the network (eval mode, its slice on this rank), the tokenizer, the llama_type
+    and the engine's settings."""
+    llma: nn.Module
+    tokenizer: Tokenizer
+    llama_type: str
+    settings: EngineSettings
+
+
+def load(pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optional[str] = None,
+         llama_config: Optional[Sequence[PathLike]] = None, tokenizer_path: Optional[PathLike] = None,
+         with_visual: bool = False, max_seq_len: int = 4096, mp_group: Optional[torch.distributed.ProcessGroup] = None,
+         dtype: Union[None, str, torch.dtype] = None, device: Union[None, str, torch.device] = None,
+         quant: Union[bool, None, str] = False, *, max_batch_size: int = 32, compile: bool = False,
+         prefix_cache: bool = True, prefix_cache_bytes: int = EngineSettings.prefix_cache_bytes,
+         rank_timeout: float = 60.0) -> Loaded:
+    """`MetaModel.from_pretrained` without the warm-up (its docstring says what each argument means)."""
+    folders = [imported(Path(p)) for p in ([pretrained_path] if isinstance(pretrained_path, (str, Path))
+                                           else pretrained_path)]
+    settings = EngineSettings(max_batch_size=max_batch_size, compile=compile,  # checked before loading
+                              prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes)
+    if mp_group is None:
+        init_distributed()  # a script started by torchrun needs no set-up of its own
+        mp_group = fairscale_model_parallel_group()
+    if not (isinstance(rank_timeout, (int, float)) and rank_timeout > 0):
+        raise ConfigError(f"rank_timeout must be a number of seconds > 0, got {rank_timeout!r}")
+    ctx = ParallelContext.from_group(mp_group, rank_timeout)
+    if ctx.world_size > 1:
+        start_watchdog(rank_timeout)
+        leave_at_exit(rank_timeout)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+
+    spec = read_spec(folders, llama_type, [str(p) for p in llama_config or ()])
+    tokenizer = Tokenizer.from_path(tokenizer_path or found_tokenizer(folders))
+    model_args, transformer = model_classes(spec.llama_type)
+    if with_visual and not hasattr(transformer, "image_features"):
+        raise ConfigError(f"with_visual=True, but {folders[-1]} holds a text model (llama_type "
+                          f"{spec.llama_type!r}); vision-language checkpoints are llama_type 'llava' (import an "
+                          f"HF LLaVA folder with `accessory convert hf`)")
+    config = resolved_config({**spec.config, "max_seq_len": max_seq_len}, tokenizer, str(folders[-1]))
+    args = model_args.from_dict(config, source=f"config of {folders[-1]}")
+    if tokenizer.n_words > args.vocab_size:
+        raise ConfigError(f"tokenizer has {tokenizer.n_words} tokens but the model's vocab_size is "
+                          f"{args.vocab_size}: they do not belong together")
+    args.check_parallel_size(ctx.world_size)  # before any weight is read
+
+    with torch.device("meta"):
+        llma = transformer(args, ctx)
+    formats = quantized_formats(llma, spec, quant, folders[-1])
+    if formats:
+        llma.quantize_(formats)
+    check_fits(llma, dtype, device, f"config of {folders[-1]}")  # before any memory is allocated
+    if device.type == "cpu":
+        cpu_kernels()  # built once per machine (seconds), before anything is compiled
+    llma.materialize(device, dtype)
+    error = None
+    try:
+        load_weights(llma, folders, progress=ctx.is_source)
+    except Exception as e:  # every rank must hear of it, or the others would wait in the next collective
+        error = e
+    ctx.raise_if_any_failed(error)
+    return_freed_memory()
+    if device.type == "cpu":
+        log.debug("%d MiB of weights on huge pages", back_with_huge_pages(llma) >> 20)
+    log.info("loaded %s (%s%s) at %d model-parallel rank(s), %s on %s", folders[-1], spec.llama_type,
+             f", {describe(formats)}" if formats else "", ctx.world_size, dtype, device)
+    return Loaded(llma.eval(), tokenizer, spec.llama_type, settings)
+
+
+QUANT_NAMES = {True: "int8", "int8": "int8", "int4": "int4"}
+
+
+def quantized_formats(llma, spec: CheckpointSpec, quant, source: Path) -> dict[str, str]:
+    """Weight name -> format to hold the model's weights in: the checkpoint's own if it is quantized (`quant` may
+    only name the same kind), else `quant`'s plan (empty for float)."""
+    if quant not in (False, None) and quant not in QUANT_NAMES:
+        raise ConfigError(f"quant must be False, True (int8), 'int8' or 'int4', got {quant!r}")
+    wanted = QUANT_NAMES.get(quant)
+    if spec.quantization is not None:
+        if wanted is not None and wanted != spec.quantization.quant:
+            raise ConfigError(f"{source} holds {spec.quantization.quant}-quantized weights; load it with quant="
+                              f"{spec.quantization.quant!r} or without quant (requantizing is not supported)")
+        return spec.quantization.tensors
+    return llma.quantization_plan(wanted) if wanted else {}
+
+
+def describe(formats: dict[str, str]) -> str:
+    counts = {}
+    for fmt in formats.values():
+        counts[fmt] = counts.get(fmt, 0) + 1
+    return "quantized weights: " + ", ".join(f"{n} {fmt}" for fmt, n in sorted(counts.items()))
+
+
+def found_tokenizer(folders: list[Path]) -> Path:
+    path = find_tokenizer(folders)
+    if path is None:
+        raise TokenizerError(f"no tokenizer.model or tokenizer.json in {[str(f) for f in folders]}; "
+                             f"pass tokenizer_path")
+    return path
+
+
+def resolve_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype {dtype!r}; known: {sorted(DTYPES)}")
+        return DTYPES[dtype]
+    return dtype

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from accessory.data.images import ImageError, read_image_file
 from accessory.errors import AccessoryError
-from accessory.generation.scheduler import Event
+from accessory.generation.requests import Event
 from accessory.parallel.context import GroupLayout, ParallelContext, data_parallel_layout
 
 log = logging.getLogger(__name__)

@@ -358,7 +358,7 @@ class FirstTokens:
 def run_engine(engine, prompts: list[list[int]], new_tokens: int, watch: FirstTokens, device) -> dict:
     """Greedy decoding of exactly new_tokens per prompt (stop ids emptied) through the engine."""
     from accessory.generation.sampling import SamplingParams
-    from accessory.generation.scheduler import Request
+    from accessory.generation.requests import Request
 
     requests = [Request(i, ids, SamplingParams(max_gen_len=new_tokens, temperature=0.0), 0)
                 for i, ids in enumerate(prompts)]

@@ -330,7 +330,7 @@ class FakeModel:
         self.ends, self.part, self.seen = ends, part, []
 
     def stream_generate(self, prompts, additional_stop_symbols=(), **sampling):
-        from accessory.generation.scheduler import Event
+        from accessory.generation.requests import Event
 
         for step in range(max(self.ends) + 1):
             self.seen.append(len(read_jsonl(self.part)) if self.part.exists() else 0)

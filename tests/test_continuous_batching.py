@@ -22,7 +22,7 @@ def model(tiny_checkpoints):
 
 def request(model, row, prompt, max_gen_len=12, seed=0, **sampling):
     from accessory.generation.sampling import SamplingParams
-    from accessory.generation.scheduler import Request
+    from accessory.generation.requests import Request
 
     return Request(row, model.tokenizer.encode(prompt, True, False), SamplingParams(max_gen_len, **sampling), seed)
 

@@ -27,7 +27,7 @@ import multi_turn  # noqa: E402
 import single_turn  # noqa: E402
 import single_turn_mm  # noqa: E402
 
-from accessory.generation.scheduler import Event  # noqa: E402
+from accessory.generation.requests import Event  # noqa: E402
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 QUESTION = "What is the capital of France?"

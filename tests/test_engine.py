@@ -19,7 +19,7 @@ LENGTHS = [9, 3, 14, 6, 11]  # rows finish at different steps, so rows leave and
 def joining_and_leaving(model, compile: bool) -> list[list[int]]:
     """Greedy tokens of PROMPTS, 2 rows at a time with different lengths: the batch changes at many steps."""
     from accessory.generation.sampling import SamplingParams
-    from accessory.generation.scheduler import Request
+    from accessory.generation.requests import Request
 
     engine = model.engine.configured(max_batch_size=2, compile=compile)
     engine.stop_ids = set()

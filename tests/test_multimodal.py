@@ -111,7 +111,7 @@ def test_image_placement(llava):
 
 def test_prefix_cache_reuses_only_the_same_image(llava, pictures):
     from accessory.generation.sampling import SamplingParams
-    from accessory.generation.scheduler import Request
+    from accessory.generation.requests import Request
 
     first = llava.encode_prompt("A chat between a curious human and an artificial intelligence assistant. " + PROMPT,
                                 image=True)

@@ -49,7 +49,7 @@ def drive(engine, script, rows: int) -> tuple[list, object]:
 
 def request(row, tokens, max_gen_len, seed=0, **sampling):
     from accessory.generation.sampling import SamplingParams
-    from accessory.generation.scheduler import Request
+    from accessory.generation.requests import Request
 
     return Request(row, list(tokens), SamplingParams(max_gen_len, **sampling), seed)
 

@@ -73,7 +73,7 @@ def test_a_failing_row_ends_alone_with_an_error_event_and_the_others_are_untouch
 
 
 def test_seeds_beyond_64_bits_are_refused_before_anything_runs(model):
-    from accessory.generation.scheduler import row_seeds
+    from accessory.generation.requests import row_seeds
 
     assert len(row_seeds(2 ** 64 - 1, 2)) == 2 and len(row_seeds(-2 ** 63, 1)) == 1
     for seed in (2 ** 64, -2 ** 63 - 1, 1.5, True):
@@ -329,7 +329,7 @@ def test_sampling_flags_refuse_what_sampling_refuses():
 
 def test_a_failed_row_is_written_with_its_error_and_shown_by_the_demos():
     from accessory.batch import Job, output_row
-    from accessory.generation.scheduler import Event
+    from accessory.generation.requests import Event
 
     failed = Event("a", "partial", "", True, "error", 3, "SamplingError: the logits hold NaN")
     job = Job(id="a", line=1, prompt="p", stops=(), prompt_tokens=2)

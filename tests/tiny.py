@@ -43,7 +43,7 @@ def greedy_ids(model, prompts: list[list[int]], steps: int, engine=None, images=
     `engine`); the source rank's tokens, on every rank (only the source rank samples). `images`: each prompt's
     pixels or None."""
     from accessory.generation.sampling import SamplingParams
-    from accessory.generation.scheduler import Request
+    from accessory.generation.requests import Request
 
     engine = (engine or model.engine).configured(max_batch_size=len(prompts))
     engine.stop_ids = set()

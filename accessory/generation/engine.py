@@ -30,7 +30,8 @@ import torch.fx.experimental._config as fx_config
 
 from accessory.errors import ConfigError, RanksDisagree
 from accessory.generation.prefix import RetainedRows, plan_reuse, waves
-from accessory.generation.scheduler import Event, Follower, Plan, Request, Scheduler
+from accessory.generation.requests import Event, Request
+from accessory.generation.scheduler import Follower, Plan, Scheduler
 from accessory.parallel.watchdog import announce_failure, await_verdict_on_silent_ranks
 from accessory.network.components import Segment, decode_mask
 from accessory.network.vision import image_key

@@ -15,7 +15,7 @@ from accessory.errors import AccessoryError, ConfigError
 from accessory.generation.chat import render_chat
 from accessory.generation.engine import Engine, EngineSettings
 from accessory.generation.sampling import SamplingParams
-from accessory.generation.scheduler import Event
+from accessory.generation.requests import Event
 from accessory.parallel import ParallelContext
 from accessory.runtime import prompts, scoring
 from accessory.runtime.loading import PathLike, load

@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 
 from accessory.generation.sampling import SamplingParams
-from accessory.generation.scheduler import Request, fit_prompt, row_seeds
+from accessory.generation.requests import Request, fit_prompt, row_seeds
 from accessory.network.vision import optional_pixels
 from accessory.text.tokenizer import IMAGE_PLACEHOLDER
 

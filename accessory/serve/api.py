@@ -31,7 +31,7 @@ from accessory.data.images import ImageError, ImageLimits, image_from_url
 from accessory.generation.chat import render_chat
 from accessory.generation.constraints import Constraint, ConstraintError
 from accessory.generation.sampling import LOGIT_BIAS_RANGE, MAX_LOGPROBS, PENALTY_RANGE, REPETITION_PENALTY_RANGE
-from accessory.generation.scheduler import Event
+from accessory.generation.requests import Event
 from accessory.text.tokenizer import IMAGE_PLACEHOLDER
 from accessory.serve.service import FieldError, GenerationService, Handle, QueueFull, ServiceClosed
 

@@ -25,7 +25,7 @@ from accessory.generation import constraints
 from accessory.generation.chat import render_chat
 from accessory.generation.constraints import Constraint
 from accessory.generation.sampling import SamplingParams
-from accessory.generation.scheduler import Event, Request, row_seeds
+from accessory.generation.requests import Event, Request, row_seeds
 from accessory.network.memory import return_freed_memory
 from accessory.parallel.watchdog import active_watchdog
 from accessory.serve.metrics import Timing

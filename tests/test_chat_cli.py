@@ -92,4 +92,4 @@ def test_ctrl_c_under_torchrun_ends_every_rank(smollm2_checkpoint, tmp_path):
     start = time.time()
     assert term.wait(timeout=60) != 0
     assert time.time() - start < 30
-    assert "accessory/cli.py" not in (tmp_path / "stderr.log").read_text()
+    assert "accessory/cli/" not in (tmp_path / "stderr.log").read_text()

@@ -378,20 +378,20 @@ def test_chat_keeps_the_other_ranks_waiting_while_the_user_types(monkeypatch):
     """The source rank sends a keep-alive while the terminal has no line yet; the others wait past it."""
     import time as clock
 
-    from accessory import cli
+    from accessory.cli import chat as cli
 
     class Source:
-        is_source, sent = True, []
+        is_source, world_size, sent = True, 2, []
 
         def broadcast_object(self, obj):
             self.sent.append(obj)
             return obj
 
     monkeypatch.setattr(cli, "KEEPALIVE_S", 0.05)
-    monkeypatch.setattr(cli, "_read_line", lambda prompt: clock.sleep(0.3) or "hello")
+    monkeypatch.setattr(cli, "read_line", lambda prompt: clock.sleep(0.3) or "hello")
     source = Source()
-    assert cli._next_line(source) == "hello"
-    assert source.sent[-1] == "hello" and source.sent.count(cli._STILL_WAITING) >= 3
+    assert cli.next_line(source) == "hello"
+    assert source.sent[-1] == "hello" and source.sent.count(cli.STILL_WAITING) >= 3
 
     class Follower:
         is_source = False
@@ -402,4 +402,4 @@ def test_chat_keeps_the_other_ranks_waiting_while_the_user_types(monkeypatch):
         def broadcast_object(self, obj):
             return next(self.received)
 
-    assert cli._next_line(Follower([cli._STILL_WAITING, cli._STILL_WAITING, None])) is None
+    assert cli.next_line(Follower([cli.STILL_WAITING, cli.STILL_WAITING, None])) is None

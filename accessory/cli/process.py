@@ -1,0 +1,93 @@
+"""How every entry point runs on a rank (the verbs, the demos, the tools): join torchrun's group, log to stderr,
+load the model the same way, and leave the group cleanly; bad input exits 2 with its message, Ctrl-C 130."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from accessory.errors import AccessoryError, FailedInStep
+
+
+def run(handler, args) -> None:
+    """Run `handler(args)` on this rank as every entry point does (the verbs, the demos): join torchrun's group, log
+    to stderr, and leave the group cleanly; bad input exits 2 with its message, Ctrl-C 130."""
+    from accessory.parallel import init_distributed, shutdown_distributed
+
+    init_distributed()
+    setup_logging(args)
+    if getattr(args, "rank_timeout", None) is not None:
+        from accessory.parallel.watchdog import start_watchdog
+
+        start_watchdog(args.rank_timeout)
+    try:
+        handler(args)
+    except FailedInStep as e:  # the other ranks ended normally: the closing barrier is safe
+        logging.getLogger("accessory").error("%s", e)
+        shutdown_distributed()
+        sys.exit(2)
+    except AccessoryError as e:
+        logging.getLogger("accessory").error("%s", e)
+        leave_without_barrier()
+        sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C: end quietly, as a shell expects (status 130)
+        leave_without_barrier()
+        sys.exit(130)
+    except BaseException:
+        from accessory.parallel.watchdog import await_verdict_on_silent_ranks
+
+        # a collective that failed because a peer froze (killed meanwhile by another rank's watchdog): this rank's
+        # watchdog is about to end it too, naming that rank, with EXIT_RANK_LOST; a traceback would come first
+        await_verdict_on_silent_ranks()
+        leave_without_barrier()
+        raise
+    shutdown_distributed()
+
+
+def leave_without_barrier() -> None:
+    # After a failure other ranks may be elsewhere: a barrier could hang. Leave, and let torchrun end the rest.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def setup_logging(args) -> None:
+    """Timestamped lines to stderr: rank 0's at --log-level, the other ranks' warnings and errors (all of them at
+    debug)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    level = getattr(logging, (getattr(args, "log_level", None) or "info").upper())
+    quiet = rank > 0 and level > logging.DEBUG
+    logging.basicConfig(stream=sys.stderr, level=max(level, logging.WARNING) if quiet else level,
+                        format=f"%(asctime)s [accessory rank {rank}] %(levelname)s %(message)s")
+
+
+def load_model(args, mp_group=None, warmup: bool = False):
+    """Every rank loads the model (onto `mp_group`, default the world); with no --pretrained_path, the built-in one
+    (imported once per node). `warmup`: with --compile, compile every graph before returning (what serves many
+    requests: no request then waits on compilation)."""
+    import torch.distributed as dist
+
+    from accessory.checkpoint.default_model import ensure_default_model
+    from accessory.model.meta import MetaModel
+
+    paths = args.pretrained_path
+    if not paths:
+        keep_bits = args.quant == "int4"  # the GGUF's own Q4_1 weights, as llama.cpp runs them
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one process per node imports it; the others wait
+            ensure_default_model(keep_bits)
+        if dist.is_initialized():
+            dist.barrier()
+        paths = [ensure_default_model(keep_bits)]
+    model = MetaModel.from_pretrained(paths, llama_type=args.llama_type, llama_config=args.llama_config,
+                                      tokenizer_path=args.tokenizer_path, max_seq_len=args.max_seq_len,
+                                      dtype=args.dtype, device=args.device, mp_group=mp_group, quant=args.quant,
+                                      max_batch_size=args.max_batch_size, compile=args.compile,
+                                      prefix_cache=args.prefix_cache, prefix_cache_bytes=args.prefix_cache_bytes,
+                                      rank_timeout=getattr(args, "rank_timeout", 60.0), warmup=warmup)
+    if args.chat_template:
+        model.tokenizer.set_chat_template(args.chat_template)
+        model.stop_ids = model.tokenizer.chat_stop_ids  # EOS and the new template's end-of-turn token
+    return model

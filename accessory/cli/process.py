@@ -12,7 +12,7 @@ from accessory.errors import AccessoryError, FailedInStep
 def run(handler, args) -> None:
     """Run `handler(args)` on this rank as every entry point does (the verbs, the demos): join torchrun's group, log
     to stderr, and leave the group cleanly; bad input exits 2 with its message, Ctrl-C 130."""
-    from accessory.parallel import init_distributed, shutdown_distributed
+    from accessory.parallel.context import init_distributed, leave_distributed, shutdown_distributed
 
     init_distributed()
     setup_logging(args)
@@ -28,10 +28,10 @@ def run(handler, args) -> None:
         sys.exit(2)
     except AccessoryError as e:
         logging.getLogger("accessory").error("%s", e)
-        leave_without_barrier()
+        leave_distributed()
         sys.exit(2)
     except KeyboardInterrupt:  # Ctrl-C: end quietly, as a shell expects (status 130)
-        leave_without_barrier()
+        leave_distributed()
         sys.exit(130)
     except BaseException:
         from accessory.parallel.watchdog import await_verdict_on_silent_ranks
@@ -39,25 +39,17 @@ def run(handler, args) -> None:
         # a collective that failed because a peer froze (killed meanwhile by another rank's watchdog): this rank's
         # watchdog is about to end it too, naming that rank, with EXIT_RANK_LOST; a traceback would come first
         await_verdict_on_silent_ranks()
-        leave_without_barrier()
+        leave_distributed()
         raise
     shutdown_distributed()
-
-
-def leave_without_barrier() -> None:
-    # After a failure other ranks may be elsewhere: a barrier could hang. Leave, and let torchrun end the rest.
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def setup_logging(args) -> None:
     """Timestamped lines to stderr: rank 0's at --log-level, the other ranks' warnings and errors (all of them at
     debug)."""
-    import torch.distributed as dist
+    from accessory.parallel.context import world_rank
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = world_rank()
     level = getattr(logging, (getattr(args, "log_level", None) or "info").upper())
     quiet = rank > 0 and level > logging.DEBUG
     logging.basicConfig(stream=sys.stderr, level=max(level, logging.WARNING) if quiet else level,
@@ -68,18 +60,16 @@ def load_model(args, mp_group=None, warmup: bool = False):
     """Every rank loads the model (onto `mp_group`, default the world); with no --pretrained_path, the built-in one
     (imported once per node). `warmup`: with --compile, compile every graph before returning (what serves many
     requests: no request then waits on compilation)."""
-    import torch.distributed as dist
-
     from accessory.checkpoint.default_model import ensure_default_model
     from accessory.model.meta import MetaModel
+    from accessory.parallel.context import world_barrier
 
     paths = args.pretrained_path
     if not paths:
         keep_bits = args.quant == "int4"  # the GGUF's own Q4_1 weights, as llama.cpp runs them
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one process per node imports it; the others wait
             ensure_default_model(keep_bits)
-        if dist.is_initialized():
-            dist.barrier()
+        world_barrier()
         paths = [ensure_default_model(keep_bits)]
     model = MetaModel.from_pretrained(paths, llama_type=args.llama_type, llama_config=args.llama_config,
                                       tokenizer_path=args.tokenizer_path, max_seq_len=args.max_seq_len,

@@ -64,6 +64,24 @@ def shutdown_distributed(timeout_s: Optional[float] = None) -> None:
         dist.destroy_process_group()
 
 
+def leave_distributed() -> None:
+    """Leave the process group without a barrier: after a failure the other ranks may be elsewhere, and a barrier
+    could hang (torchrun ends the rest)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def world_rank() -> int:
+    """This process's rank in the whole world (0 without a process group)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_barrier() -> None:
+    """Every process of the world waits here (nothing without a process group)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
 @functools.cache
 def leave_at_exit(timeout_s: float) -> None:
     """Leave the process group cleanly at interpreter exit if the script has not (LLaMA2-Accessory's examples

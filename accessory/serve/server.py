@@ -9,9 +9,8 @@ import threading
 import time
 from typing import Callable, Optional
 
-import torch.distributed as dist
-
 from accessory.errors import FailedInStep
+from accessory.parallel.context import world_rank
 from accessory.serve.service import GenerationService
 
 log = logging.getLogger(__name__)
@@ -27,7 +26,7 @@ def serve(load: Callable[[], object], host: str = "127.0.0.1", port: int = 8000,
     from accessory.serve.api import ImageOptions, ServiceSlot
 
     slot, server, thread = ServiceSlot(), None, None
-    if not dist.is_initialized() or dist.get_rank() == 0:  # the source rank of the whole world, which serve uses
+    if world_rank() == 0:  # the source rank of the whole world, which serve uses
         server, thread = _start_http(slot, host, port, model_name, api_key, template,
                                      dict(max_request_bytes=max_request_bytes, keepalive_s=keepalive_s,
                                           special_tokens_in_prompt=special_tokens_in_prompt,

@@ -6,6 +6,7 @@ import fcntl
 import os
 import pty
 import select
+import signal
 import subprocess
 import sys
 import termios
@@ -22,9 +23,11 @@ class Terminal:
     def __init__(self, command: list[str], stderr_path):
         self.master, slave = pty.openpty()
         self.stderr = open(stderr_path, "w")
+        self.stderr_path = stderr_path
+        # PYTHONFAULTHANDLER: a program that hangs is aborted by `wait`, and prints every thread's stack first
         self.proc = subprocess.Popen(command, stdin=slave, stdout=slave, stderr=self.stderr, start_new_session=True,
                                      preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
-                                     env=dict(os.environ, OMP_NUM_THREADS="1"))
+                                     env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1"))
         os.close(slave)
         self.screen = ""
 
@@ -44,8 +47,15 @@ class Terminal:
         os.write(self.master, keys.encode())
 
     def wait(self, timeout: float = 60) -> int:
+        """The exit status; a program still running after `timeout` fails the test with its threads' stacks."""
         try:
             return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGABRT)  # faulthandler writes each thread's stack to stderr
+            self.proc.wait(30)
+            self.stderr.flush()
+            raise AssertionError(f"still running after {timeout} s; its stderr, stacks last:\n"
+                                 f"{self.stderr_path.read_text()[-6000:]}") from None
         finally:
             os.close(self.master)
             self.stderr.close()

@@ -209,7 +209,8 @@ GOOD = '{"id": "ok", "prompt": "hello"}'
 ], ids=["not-json", "array", "no-id", "float-id", "bool-id", "neither", "both", "prompt-not-string",
         "messages-end-with-system", "unknown-role", "unknown-key", "duplicate-id"])
 def test_bad_line_is_named(tmp_path, line, message):
-    from accessory.batch import BatchInputError, read_records
+    from accessory.batch.errors import BatchInputError
+    from accessory.batch.records import read_records
 
     path = tmp_path / "in.jsonl"
     path.write_text(f"{GOOD}\n{line}\n")
@@ -220,7 +221,7 @@ def test_bad_line_is_named(tmp_path, line, message):
 
 
 def test_blank_lines_are_skipped_and_line_numbers_kept(tmp_path):
-    from accessory.batch import read_records
+    from accessory.batch.records import read_records
 
     path = tmp_path / "in.jsonl"
     path.write_text(f"{GOOD}\n\n   \n" + '{"id": 7, "messages": [{"role": "user", "content": "hi"}]}\n\n')
@@ -258,7 +259,8 @@ def test_bad_options_exit_2_before_loading(tiny_checkpoints, tmp_path):
 def test_bad_options_are_refused_before_loading(tmp_path, change, message):
     import dataclasses
 
-    from accessory.batch import BatchInputError, run_batch
+    from accessory.batch import run_batch
+    from accessory.batch.errors import BatchInputError
 
     options = dataclasses.replace(options_for(tmp_path, [{"id": 1, "prompt": "hi"}]), **change)
     with pytest.raises(BatchInputError) as error:
@@ -284,7 +286,7 @@ def test_rerun_with_every_record_done_merges_without_loading_a_model(tmp_path, c
 
 
 def test_torn_last_line_of_a_part_is_cut_before_appending(tmp_path):
-    from accessory.batch import OutputFiles, PartWriter
+    from accessory.batch.output import OutputFiles, PartWriter
 
     files = OutputFiles(tmp_path / "out.jsonl")
     files.part(0).write_bytes(json.dumps(row("a")).encode() + b'\n{"id": "b", "outp')
@@ -296,7 +298,8 @@ def test_torn_last_line_of_a_part_is_cut_before_appending(tmp_path):
 
 
 def test_output_of_another_job_is_refused(tmp_path):
-    from accessory.batch import BatchInputError, run_batch
+    from accessory.batch import run_batch
+    from accessory.batch.errors import BatchInputError
 
     options = options_for(tmp_path, [{"id": "a", "prompt": "p"}])
     write_jsonl(options.output, [row("a"), row("zzz")])
@@ -306,7 +309,8 @@ def test_output_of_another_job_is_refused(tmp_path):
 
 
 def test_a_broken_complete_line_is_an_error_not_skipped(tmp_path):
-    from accessory.batch import BatchInputError, run_batch
+    from accessory.batch import run_batch
+    from accessory.batch.errors import BatchInputError
 
     options = options_for(tmp_path, [{"id": "a", "prompt": "p"}])
     (tmp_path / "out.jsonl.part-0").write_text('{"id": "a"}\n')
@@ -315,7 +319,8 @@ def test_a_broken_complete_line_is_an_error_not_skipped(tmp_path):
 
 
 def test_the_input_is_never_the_output(tmp_path):
-    from accessory.batch import BatchInputError, BatchOptions, run_batch
+    from accessory.batch import BatchOptions, run_batch
+    from accessory.batch.errors import BatchInputError
 
     source = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "p"}])
     with pytest.raises(BatchInputError, match="is the input: the input is never overwritten"):
@@ -341,7 +346,9 @@ def test_each_record_is_flushed_the_step_it_ends():
     """A record that ends early is on disk while the others are still generating."""
     import tempfile
 
-    from accessory.batch import Job, OutputFiles, PartWriter, generate_jobs
+    from accessory.batch.group import generate_jobs
+    from accessory.batch.output import OutputFiles, PartWriter
+    from accessory.batch.rendering import Job
 
     with tempfile.TemporaryDirectory() as folder:
         part = OutputFiles(Path(folder, "out.jsonl")).part(0)
@@ -355,7 +362,8 @@ def test_each_record_is_flushed_the_step_it_ends():
 
 
 def test_jobs_split_balanced_and_in_input_order():
-    from accessory.batch import Job, split_jobs
+    from accessory.batch.plan import split_jobs
+    from accessory.batch.rendering import Job
 
     jobs = [Job(i, i, "p", (), tokens) for i, tokens in enumerate([50, 1, 1, 1, 1, 40, 3, 2, 9, 9, 30])]
     groups = split_jobs(jobs, 3, max_gen_len=10)
@@ -373,7 +381,8 @@ def test_jobs_render_messages_with_the_template_and_count_prompt_tokens(llama_to
     model without a chat template falls back to Accessory's default conversation, and says so once."""
     import logging
 
-    from accessory.batch import Record, render_jobs
+    from accessory.batch.records import Record
+    from accessory.batch.rendering import render_jobs
     from accessory.data.conversation import get_conversation
     from accessory.text.tokenizer import Tokenizer
 

@@ -112,7 +112,7 @@ def test_batch_records_with_images_equal_generate_in_process(llava, photo, tmp_p
     (7, '"image" of record \'bad\' must be the path of an image file, got a JSON number'),
 ], ids=["missing", "corrupt", "not-a-string"])
 def test_bad_image_record_is_named_before_loading(photo, tmp_path, image, message):
-    from accessory.batch import BatchInputError
+    from accessory.batch.errors import BatchInputError
 
     records = records_beside(tmp_path, photo, {"id": "bad", "prompt": "Hi", "image": image})
     (tmp_path / "pics" / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"not really" * 50)
@@ -124,7 +124,7 @@ def test_bad_image_record_is_named_before_loading(photo, tmp_path, image, messag
 
 
 def test_batch_image_record_for_a_text_model_is_named(tiny_checkpoints, photo, tmp_path):
-    from accessory.batch import BatchInputError
+    from accessory.batch.errors import BatchInputError
     from accessory.model.meta import MetaModel
 
     text_model = MetaModel.from_pretrained(tiny_checkpoints["mha", 1], max_seq_len=512)

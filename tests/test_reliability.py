@@ -328,7 +328,8 @@ def test_sampling_flags_refuse_what_sampling_refuses():
 
 
 def test_a_failed_row_is_written_with_its_error_and_shown_by_the_demos():
-    from accessory.batch import Job, output_row
+    from accessory.batch.output import output_row
+    from accessory.batch.rendering import Job
     from accessory.generation.requests import Event
 
     failed = Event("a", "partial", "", True, "error", 3, "SamplingError: the logits hold NaN")

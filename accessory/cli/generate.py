@@ -35,7 +35,7 @@ def read_image(args):
     file stops every rank, with one message."""
     if not getattr(args, "image", None):
         return None
-    from accessory.batch import on_rank0
+    from accessory.batch.ranks import on_rank0
     from accessory.data.images import ImageError, read_image_file
     from accessory.parallel import ParallelContext
 
@@ -53,7 +53,8 @@ def image_pixels_of(model, image, args):
     them), or None without --image."""
     if not getattr(args, "image", None):
         return None
-    from accessory.batch import image_pixels, on_rank0
+    from accessory.batch.group import image_pixels
+    from accessory.batch.ranks import on_rank0
     from accessory.data.images import ImageError
 
     def pixels():

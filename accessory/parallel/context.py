@@ -233,6 +233,37 @@ class ParallelContext:
             dist.broadcast_object_list(box, src=self.src, group=self.group, device=self.device)
         return box[0]
 
+    # Picklable objects between the group's ranks, for jobs that plan on one rank and share out the work (batch).
+
+    def all_gather_object(self, obj: Any) -> list:
+        """Every rank's `obj` (picklable), in rank order, on every rank."""
+        if self.world_size == 1:
+            return [obj]
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered
+
+    def scatter_object(self, per_rank: Optional[list]) -> Any:
+        """Rank r's item of the source rank's `per_rank` (one picklable item per rank; None on the other ranks)."""
+        if self.world_size == 1:
+            return per_rank[0]
+        box = [None]
+        dist.scatter_object_list(box, per_rank, src=self.src, group=self.group)
+        return box[0]
+
+    def gather_object(self, obj: Any) -> Optional[list]:
+        """Every rank's `obj` (picklable), in rank order, on the source rank; None elsewhere."""
+        if self.world_size == 1:
+            return [obj]
+        gathered = [None] * self.world_size if self.is_source else None
+        dist.gather_object(obj, gathered, dst=self.src, group=self.group)
+        return gathered
+
+    def barrier(self) -> None:
+        """Wait until every rank of the group is here."""
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
     def raise_if_any_failed(self, error: Optional[BaseException]) -> None:
         """Collective: if any rank hit an error, every rank raises, so no rank waits forever in a later collective.
 

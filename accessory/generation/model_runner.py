@@ -1,0 +1,225 @@
+"""What runs on each rank: one run's KV cache rows and the static step that feeds them (engine.py drives it, every
+rank alike, from the plans that wire.py shares).
+
+A row's token at position p lives in KV-cache column p: rows at different positions share one cache, nothing is
+padded, and a row that leaves frees its cache row at once (a live row from the end takes its place). One step,
+`ModelRunner.step(plan)`, top to bottom:
+1. `_score`: the prompts whose every position's logits were asked for get a forward pass of their own.
+2. `_compact`: the rows that finished are copied into the retained rows (`_retain`, for the prefix cache), then the
+   kept rows move into the holes, so the live rows are 0..n-1 again.
+3. `_decode`: one token for each kept row at that row's next position, through `Engine.decode_step`
+   (`Transformer.decode`: static shapes, no host sync; with `compile`, the graph `compiled` makes, with symbolic
+   sizes, and one for a single row), attending over a power-of-two number of columns (`_bucket`).
+4. `_prefill`: the joining prompts, packed into one sequence (`_prefill_packed`). A joining prompt that starts with
+   tokens some cache row already holds (a live row, or a finished one kept for reuse) copies their keys and values
+   instead of recomputing them (`_copy_prefixes`, prefix.py); every rank decides that alike from the plans.
+5. Each rank's logits (its slice of the vocabulary) are gathered to the source rank alone, where the scheduler
+   samples them.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.fx.experimental._config as fx_config
+
+from accessory.generation.prefix import RetainedRows, plan_reuse, waves
+from accessory.generation.scheduler import Plan
+from accessory.network.components import Segment, decode_mask
+from accessory.network.vision import image_key
+
+MIN_COLUMNS = 256  # the smallest KV-cache and attention width: widths are powers of two from here
+PREFILL_TOKENS = 4096  # prompt tokens prefilled in one forward pass at most (more run in several)
+
+
+class ModelRunner:
+    """One run's rows on this rank, for one `Engine` (its model, context, settings, decode step and stats): the KV
+    cache (allocated here, `columns` rounded up to a power of two) and what each row holds. Rows 0..n-1 are the live
+    ones; past the batch's rows, `retained` keeps finished sequences for prompts to reuse."""
+
+    def __init__(self, engine, rows: int, columns: int, keep_finished: bool = True):
+        self.engine, self.model, self.rows = engine, engine.model, rows
+        self.columns = _bucket(columns, engine.max_seq_len)
+        self.cached: list[list[int]] = []  # the tokens each live row holds in columns 0..len-1 (fed, not sampled)
+        live = max(rows, 2)  # at least 2: torch.compile gives a size of 1 a graph of its own; a cache row is cheap
+        self.retained = RetainedRows(live, self._retained_rows(rows, self.columns) if keep_finished else 0)
+        with torch.inference_mode():
+            self.model.setup_caches(live + len(self.retained.tokens), self.columns)
+
+    def _retained_rows(self, rows: int, columns: int) -> int:
+        """Finished sequences kept: as many rows as fit in prefix_cache_bytes, at most the batch's rows."""
+        settings = self.engine.settings
+        if not settings.prefix_cache:
+            return 0
+        return min(rows, settings.prefix_cache_bytes // self.model.cache_row_nbytes(columns))
+
+    @torch.inference_mode()
+    def step(self, plan: Plan) -> tuple[Optional[torch.Tensor], list[torch.Tensor]]:
+        """Run `plan`: logits (rows after the step, vocab) on the source rank, None elsewhere or if no rows run;
+        and the logits (length, vocab) of each prompt the plan scores, on the source rank (else [])."""
+        scored = [self._score(tokens) for tokens in plan.score]
+        self._compact(plan.keep)
+        if len(plan.keep) + len(plan.admit) > self.rows:
+            raise RuntimeError(f"plan has {len(plan.keep) + len(plan.admit)} rows; the batch holds {self.rows}")
+        local = []
+        if plan.keep:
+            local.append(self._decode(plan.tokens))
+        if plan.admit:
+            local.append(self._prefill(plan.admit, plan.images or (None,) * len(plan.admit)))
+        scored = scored if self.engine.ctx.is_source else []
+        if not local:
+            return None, scored
+        local = local[0] if len(local) == 1 else torch.cat(local)
+        logits = self.engine.ctx.gather_to_source(local)  # (rows, vocab padded to the ranks)
+        return (None if logits is None else logits[:, :self.engine.vocab_size]), scored
+
+    # ---- 1. scoring -------------------------------------------------------------------------------------------------
+
+    def _score(self, tokens: tuple[int, ...]) -> torch.Tensor:
+        """The logits of every position of `tokens`, on every rank (a forward pass of its own, nothing cached:
+        reused prefixes have no logits)."""
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
+        return self.model.forward(ids)[0, :, :self.model.args.vocab_size]
+
+    # ---- 2. compaction ----------------------------------------------------------------------------------------------
+
+    def _compact(self, keep: tuple[int, ...]) -> None:
+        kept = set(keep)
+        self._retain([row for row in range(len(self.cached)) if row not in kept])
+        moves = [(dst, src) for dst, src in enumerate(keep) if dst != src]
+        if moves:
+            end = max(len(self.cached[src]) for _, src in moves)
+            self.model.move_cache_rows([d for d, _ in moves], [s for _, s in moves], end)
+        self.cached = [self.cached[src] for src in keep]
+
+    def _retain(self, finished: list[int]) -> None:
+        """Copy finished rows into the retained rows, before compaction overwrites them."""
+        copies = {}  # retained row -> finished row (a later one wins a slot two want)
+        for row in finished:
+            slot = self.retained.keep(self.cached[row])
+            if slot is not None:
+                copies[slot] = row
+        if copies:
+            end = max(len(self.cached[src]) for src in copies.values())
+            self.model.move_cache_rows(list(copies), list(copies.values()), end)
+
+    # ---- 3. the decode step -----------------------------------------------------------------------------------------
+
+    def _decode(self, tokens: tuple[int, ...]) -> torch.Tensor:
+        """This rank's logits (len(tokens), local vocab) of one token for each of the first len(tokens) rows."""
+        n, device = len(tokens), self.model.device
+        ends = [len(row) for row in self.cached]  # each row's next position
+        width = _bucket(max(ends) + 1, self.columns)
+        padded = self._padded_rows(n)  # rows past n decode junk at position 0; a prompt's copy or prefill follows
+        token_ids = torch.zeros(padded, dtype=torch.long)
+        token_ids[:n] = torch.tensor(tokens)
+        positions = torch.zeros(padded, dtype=torch.long)
+        positions[:n] = torch.tensor(ends)
+        token_ids, positions = token_ids.to(device), positions.to(device)
+        logits = self.engine.decode_step(token_ids, positions, decode_mask(positions, width))
+        for row, token in zip(self.cached, tokens):
+            row.append(token)
+        return logits[:n]
+
+    def _padded_rows(self, n: int) -> int:
+        """On CUDA graphs, a power-of-two number of rows (few graphs to capture); otherwise exactly n."""
+        if not (self.engine.settings.compile and self.model.device.type == "cuda"):
+            return n
+        return min(1 << (n - 1).bit_length(), self.rows)
+
+    # ---- 4. packed prefill, reusing cached prefixes -----------------------------------------------------------------
+
+    def _prefill(self, admit: tuple[tuple[int, ...], ...], images: tuple) -> torch.Tensor:
+        """Write each prompt (with its image's pixels, or None) into its new row (after the current ones), reusing
+        cached prefixes; this rank's logits (prompts, local vocab) of each prompt's last token."""
+        prompts = [list(p) for p in admit]
+        lengths = [len(p) for p in prompts]
+        if min(lengths) < 1 or max(lengths) >= self.columns:
+            raise ValueError(f"prompt lengths {lengths} must be in 1..{self.columns - 1} (the cache's columns)")
+        first = len(self.cached)
+        held = [self._contents(prompt, image) for prompt, image in zip(prompts, images)]
+        plans = (plan_reuse(held, self.cached, self.retained, self.model.reusable_prefix)
+                 if self.engine.settings.prefix_cache else [None] * len(prompts))
+        self.cached += held
+        pasts = [plan.length if plan else 0 for plan in plans]
+        order, logits = [], []
+        for wave in waves(plans):  # a prompt copying from one admitted with it waits for that one's prefill
+            self._copy_prefixes([(first + i, plans[i]) for i in wave if plans[i] is not None])
+            for group in _packed_groups([lengths[i] - pasts[i] for i in wave], PREFILL_TOKENS):
+                members = [wave[j] for j in group]
+                logits.append(self._prefill_packed([(prompts[i], first + i, pasts[i], images[i]) for i in members]))
+                order += members
+        self.engine.stats.prefilled_tokens += sum(lengths) - sum(pasts)
+        self.engine.stats.reused_tokens += sum(pasts)
+        logits = torch.cat(logits)
+        return logits if order == sorted(order) else logits[torch.tensor(order, device=logits.device).argsort()]
+
+    def _contents(self, prompt: list[int], image) -> list[int]:
+        """What a row holds, as the prefix cache compares it: the prompt's tokens, an image's positions keyed by
+        the image itself (negative: no token has such an id), so that only the same image is ever reused."""
+        if image is None:
+            return prompt
+        key = -1 - image_key(image)
+        return [key if token == self.model.image_token else token for token in prompt]
+
+    def _copy_prefixes(self, copies: list) -> None:
+        """Copy each (row, Reuse)'s prefix from its source row."""
+        if copies:
+            self.model.move_cache_rows([row for row, _ in copies], [plan.source for _, plan in copies],
+                                       max(plan.length for _, plan in copies))
+            for _, plan in copies:
+                self.retained.used(plan.source)
+
+    def _prefill_packed(self, parts: list[tuple[list[int], int, int, Optional[torch.Tensor]]]) -> torch.Tensor:
+        """Prefill (prompt, row, past, image) parts packed into one sequence: each prompt's tokens from `past` on."""
+        tokens = torch.tensor([t for prompt, _, past, _ in parts for t in prompt[past:]], dtype=torch.long,
+                              device=self.model.device)
+        segments, start = [], 0
+        for prompt, row, past, _ in parts:
+            segments.append(Segment(start, len(prompt) - past, row, past))
+            start += len(prompt) - past
+        return self.model.prefill(tokens, segments, [image for *_, image in parts])
+
+
+def compiled(decode, device: torch.device):
+    """`decode` under torch.compile, as one graph with symbolic sizes (rows and columns vary as requests come and
+    go; a size of 1 gets its own graph), captured as CUDA graphs on CUDA (one per shape the buckets allow). On the
+    CPU, inductor's wrapper that calls the graph's kernels is C++ (`cpp_wrapper`), not Python: with about 150 calls
+    per step, 1.7 ms less per step here.
+
+    Guards: dynamo re-checks every module attribute the step reads on every call (about 1 ms here). Only tensor
+    guards are kept, on every tensor but the parameters (the inputs, the KV cache, the quantized weights): a
+    loaded model's parameters and attributes never change, and whatever else might is a tensor.
+
+    Sizes: the rows decoded and the KV cache's rows are independent, though often equal when a graph is traced;
+    without duck shapes they get symbols of their own (else the graph took them for one size, and a later call where
+    they differ failed its size checks: guards on sizes are among those dropped)."""
+    options = {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}
+    if device.type == "cuda":
+        options["triton.cudagraphs"] = True
+    else:
+        options["cpp_wrapper"] = True
+    step = torch.compile(decode, fullgraph=True, dynamic=True, options=options)
+
+    def call(*args):
+        with fx_config.patch(use_duck_shape=False):
+            return step(*args)
+
+    return call
+
+
+def _bucket(columns: int, limit: int) -> int:
+    """A power of two >= columns (at least MIN_COLUMNS), at most `limit`."""
+    return min(max(MIN_COLUMNS, 1 << (columns - 1).bit_length()), limit)
+
+
+def _packed_groups(lengths: list[int], budget: int) -> list[list[int]]:
+    """Consecutive indices of `lengths` in groups of at most `budget` tokens (a longer prompt alone)."""
+    groups, current, total = [], [], 0
+    for i, n in enumerate(lengths):
+        if current and total + n > budget:
+            groups.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += n
+    return groups + [current]

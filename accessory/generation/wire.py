@@ -1,0 +1,97 @@
+"""What the model-parallel ranks tell each other at each generation step, so that every rank runs the source rank's
+plan (engine.py calls `share_plan` once a step; at one rank nothing is sent).
+
+Each step the ranks add up one small integer tensor of fixed size, the step header: the source rank's fields (the
+others add zeros) say the step's status, how many rows stay, whether rows move, and each row's token and finish
+code; one slot per rank holds that rank's place (which generation call, which step), so every rank checks that all
+are at the same step (RanksDisagree if not, or if a rank does not come within the context's timeout_s). Only when
+the batch changes (a row leaves from the middle, prompts join) does a second message carry which rows stay and the
+new prompts' token ids; and only when the source rank has events the other ranks' Followers cannot write from the
+tokens (an error's message, log-probabilities) does another carry those. No text is sent, and nothing sent per step
+grows with the length of the output.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from accessory.errors import RanksDisagree
+from accessory.generation.scheduler import Plan
+from accessory.parallel.watchdog import announce_failure, await_verdict_on_silent_ranks
+
+RUN, DONE, FAILED = 0, 1, 2  # the status of a step, as sent
+# The header's first fields (the source rank's; the others add zeros): then each stepped row's token, each one's
+# finish code, and one slot per rank for its place.
+STATUS, KEPT, MOVES, EXTRAS, STEPPED, HEADER = range(6)
+
+
+def share_plan(ctx, plan: Optional[Plan], error: Optional[Exception], rows: int, extras: tuple, call: int,
+               step: int) -> tuple[Plan, tuple]:
+    """The source rank's plan and the events its followers cannot write themselves (`extras`), on every rank, once
+    every rank is known to be at step `step` of generation call `call`. A source rank that failed (`error`) raises
+    its error there and a RuntimeError naming it on the others."""
+    place, places = call << 32 | step, HEADER + 2 * rows
+    header = _header(ctx, plan, error, rows, extras, place)
+    values = _sum_in_step(ctx, header, place).tolist()
+    _check_places(ctx, values[places:], place)
+    if values[STATUS] == FAILED:
+        message = ctx.broadcast_object(f"{type(error).__name__}: {error}" if error else None)
+        if error is not None:
+            raise error
+        raise RuntimeError(f"model-parallel source rank failed: {message}")
+    stepped = values[STEPPED]
+    results = tuple(zip(values[HEADER:HEADER + stepped], values[HEADER + rows:HEADER + rows + stepped]))
+    keep, admit, score, images, admitted = tuple(range(values[KEPT])), (), (), (), ()
+    if values[MOVES]:  # the batch changes: the second message
+        keep, admit, score, images, admitted = ctx.broadcast_object(
+            (plan.keep, plan.admit, plan.score, plan.images, plan.admitted) if ctx.is_source else None)
+    if values[EXTRAS]:
+        extras = ctx.broadcast_object(extras if ctx.is_source else None)
+    tokens = tuple(results[row][0] for row in keep)
+    return Plan(keep, tokens, admit, values[STATUS] == DONE, score, images, results, admitted), extras
+
+
+def _header(ctx, plan: Optional[Plan], error: Optional[Exception], rows: int, extras: tuple,
+            place: int) -> torch.Tensor:
+    """This rank's share of the step header: the source rank's fields (zeros elsewhere), and its place."""
+    places = HEADER + 2 * rows
+    header = torch.zeros(places + ctx.world_size, dtype=torch.long, device=ctx.device)
+    if ctx.is_source:
+        status = FAILED if error is not None else DONE if plan.done else RUN
+        results = plan.results if plan is not None else ()
+        header[:HEADER] = torch.tensor([status, len(plan.keep) if plan else 0, int(bool(plan and plan.moves)),
+                                        int(bool(extras)), len(results)])
+        if results:
+            tokens, codes = zip(*results)
+            header[HEADER:HEADER + len(results)] = torch.tensor(tokens)
+            header[HEADER + rows:HEADER + rows + len(results)] = torch.tensor(codes)
+    header[places + ctx.rank] = place
+    return header
+
+
+def _sum_in_step(ctx, header: torch.Tensor, place: int) -> torch.Tensor:
+    try:
+        return ctx.sum_in_step(header)
+    except TimeoutError:
+        await_verdict_on_silent_ranks()
+        _disagree(f"rank {ctx.rank} waited {ctx.timeout_s:g} s for the other ranks at {_where(place)}")
+
+
+def _check_places(ctx, places: list[int], place: int) -> None:
+    if any(p != place for p in places):
+        elsewhere = ", ".join(f"rank {r} at {_where(p)}" for r, p in enumerate(places) if p != place)
+        _disagree(f"rank {ctx.rank} is at {_where(place)}, but {elsewhere}")
+
+
+def _disagree(what: str) -> None:
+    message = (f"the model-parallel ranks are not at the same generation step: {what}. Every rank must make "
+               f"the same calls and read their streams to the same point (did some ranks leave a "
+               f"stream_generate loop early, or call generate, while others did not?); a rank may also be "
+               f"stuck. The process group cannot be used after this")
+    announce_failure(message)
+    raise RanksDisagree(message)
+
+
+def _where(place: int) -> str:
+    return f"generation call {place >> 32}, step {place & 0xFFFFFFFF}"

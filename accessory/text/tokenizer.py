@@ -22,8 +22,8 @@ from accessory.text.template_sandbox import TEMPLATE_CHARS
 # while tokenizer.model is kept only for the slow SentencePiece path.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 # Files beside the tokenizer that belong to it and travel with it when a checkpoint is saved.
-IMAGE_PLACEHOLDER = "<image>"  # where a prompt's image goes (HF LLaVA's and LLaVA's own spelling)
 SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
+IMAGE_PLACEHOLDER = "<image>"  # where a prompt's image goes (HF LLaVA's and LLaVA's own spelling)
 
 PathLike = Union[str, Path]
 

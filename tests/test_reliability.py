@@ -347,7 +347,7 @@ def test_a_failed_row_is_written_with_its_error_and_shown_by_the_demos():
 def test_a_chat_prompt_crosses_ranks_with_its_message_spans():
     import pickle
 
-    from accessory.text.tokenizer import ChatPrompt
+    from accessory.text.chat_template import ChatPrompt
 
     prompt = ChatPrompt("<|im_start|>user\nhi <|im_end|><|im_end|>\n", ((17, 30),))
     copy = pickle.loads(pickle.dumps([prompt]))[0]

@@ -140,7 +140,7 @@ def image_transform_name(name: str) -> str:
 
 def chat_template_file(path: str) -> str:
     """--chat-template: a file that reads and compiles as a chat template (checked before any model loads)."""
-    from accessory.text.tokenizer import read_chat_template
+    from accessory.text.chat_template import read_chat_template
 
     try:
         read_chat_template(path)

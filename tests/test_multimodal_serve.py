@@ -157,7 +157,8 @@ def test_the_body_limit_has_room_for_one_image(llava_server):
 
 def test_local_images_are_refused_without_the_flag(llava, photo):
     """The server above allows local files; the default (ImageOptions()) refuses them, naming the flag."""
-    from accessory.serve.api import APIError, ImageOptions, ImageRef, image_pixels
+    from accessory.serve.api_errors import APIError
+    from accessory.serve.images import ImageOptions, ImageRef, image_pixels
 
     with pytest.raises(APIError) as refused:
         image_pixels(llava, ImageRef(str(photo), "messages.0.content.0"), ImageOptions())

@@ -60,7 +60,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 def run_serve(args) -> None:
     from accessory.data.images import ImageLimits
-    from accessory.serve.api import ImageOptions
+    from accessory.serve.images import ImageOptions
     from accessory.serve.server import serve
 
     name = args.model_name or (os.path.basename(os.path.normpath(args.pretrained_path[-1])) if args.pretrained_path

@@ -22,8 +22,9 @@ def serve(load: Callable[[], object], host: str = "127.0.0.1", port: int = 8000,
           keepalive_s: float = 10.0, images=None) -> None:
     """Load the model with `load()` (on every rank) and serve it until SIGTERM or SIGINT (then finish what runs,
     for up to grace_s, and return on every rank). `images`: how chat messages' images are read (an
-    `api.ImageOptions`; default: its defaults)."""
-    from accessory.serve.api import ImageOptions, ServiceSlot
+    `images.ImageOptions`; default: its defaults)."""
+    from accessory.serve.api import ServiceSlot
+    from accessory.serve.images import ImageOptions
 
     slot, server, thread = ServiceSlot(), None, None
     if world_rank() == 0:  # the source rank of the whole world, which serve uses

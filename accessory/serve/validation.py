@@ -1,0 +1,190 @@
+"""A request's fields checked and turned into what the service takes (sampling, stops, the structured-output
+constraint, prompts, chat messages and their image, tools); whatever it cannot take is an APIError naming the field."""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+from pydantic import BaseModel, ValidationError
+
+from accessory.generation.constraints import Constraint
+from accessory.text.tokenizer import IMAGE_PLACEHOLDER
+from accessory.serve.api_errors import APIError
+from accessory.serve.images import ImageRef
+from accessory.serve.schemas import PART_MODELS, ChatRequest, ImagePart, Message, OtherPart, SamplingFields, TextPart
+
+
+def check_model(name: str, served: str) -> None:
+    if name != served:
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {served!r}", param="model",
+                       code="model_not_found")
+
+
+def check_common(body: SamplingFields, served: str, rows: int) -> dict:
+    """Check what both endpoints share; the service's options for `n` and the constraint."""
+    check_model(body.model, served)
+    if body.n > rows:
+        raise APIError(400, f"n: at most {rows} samples per request (the server's --max-batch-size), got {body.n}",
+                       param="n")
+    return {"n": body.n, "constraint": constraint_of(body)}
+
+
+def constraint_fields(body: SamplingFields) -> list[str]:
+    """The fields that ask for structured output."""
+    given = [name for name in ("guided_json", "guided_regex", "guided_choice") if getattr(body, name) is not None]
+    fmt = body.response_format
+    return given + ["response_format"] if fmt is not None and fmt.type != "text" else given
+
+
+def constraint_field(body: SamplingFields) -> Optional[str]:
+    return next(iter(constraint_fields(body)), None)
+
+
+def constraint_of(body: SamplingFields) -> Optional[Constraint]:
+    """The structured-output constraint the request asks for, at most one."""
+    given = constraint_fields(body)
+    fmt = body.response_format
+    if len(given) > 1:
+        raise APIError(400, f"{' and '.join(given)}: ask for one kind of structured output at most",
+                       param=given[1])
+    try:
+        if fmt is not None and fmt.type == "json_object":
+            return Constraint("json_object")
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise APIError(400, "response_format.json_schema: required when type is json_schema",
+                               param="response_format.json_schema")
+            return Constraint.json_schema(fmt.json_schema.schema_)
+        if body.guided_json is not None:
+            return Constraint.json_schema(body.guided_json)
+        if body.guided_regex is not None:
+            return Constraint("regex", body.guided_regex)
+        if body.guided_choice is not None:
+            return Constraint.choice(body.guided_choice)
+    except ValueError as e:
+        raise APIError(400, f"{given[0]}: {e}", param=given[0])
+    return None
+
+
+def prompt_list(prompt) -> list[Union[str, list[int]]]:
+    """The request's prompts, each text or token ids (OpenAI's `prompt` is one, or a list of either)."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, "prompt: an empty list", param="prompt")
+    for i, text in enumerate(prompt):
+        if isinstance(text, str):
+            check_text(text, "prompt" if len(prompt) == 1 else f"prompt.{i}")
+    return list(prompt)
+
+
+def check_token_ids(tokens: list[int], vocab_size: int, field: str) -> None:
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(400, f"{field}: {bad[0]} is not a token id of this model (0 to {vocab_size - 1})",
+                       param=field)
+
+
+def chat_messages(messages: list[Message], reads_images: bool) -> tuple[list[dict], Optional[ImageRef]]:
+    """The messages as the chat template reads them, and their image if a part holds one (one per request:
+    LLaVA-1.5 takes one image)."""
+    found: list[ImageRef] = []
+    plain = [plain_message(m, f"messages.{i}", reads_images, found) for i, m in enumerate(messages)]
+    if len(found) > 1:
+        raise APIError(400, f"{found[1].part}: a second image ({found[0].part} is the first); this model takes one "
+                            f"image per request", param=found[1].part)
+    return plain, found[0] if found else None
+
+
+def plain_message(message: Message, where: str, reads_images: bool, images: list) -> dict:
+    """An OpenAI message as the chat template reads it: its parts joined into one string, each image part as the
+    "<image>" placeholder at its place (its URL added to `images`)."""
+    content = message.content
+    if isinstance(content, list):
+        content = "\n".join(part_text(part, f"{where}.content.{i}", message.role, reads_images, images)
+                            for i, part in enumerate(content))
+    elif reads_images and content is not None:
+        check_no_placeholder(content, f"{where}.content")
+    if content is None and not message.tool_calls:
+        raise APIError(400, f"{where}.content: required (it may be null only beside tool_calls)",
+                       param=f"{where}.content")
+    if content is not None:
+        check_text(content, f"{where}.content")
+    plain = {"role": message.role, "content": content}
+    for key in ("name", "tool_calls", "tool_call_id"):
+        if getattr(message, key) is not None:
+            plain[key] = getattr(message, key)
+    return plain
+
+
+def part_text(part, where: str, role: str, reads_images: bool, images: list) -> str:
+    """A content part's text; an image part's is the placeholder. Other kinds are refused by name."""
+    if isinstance(part, OtherPart) and part.type in PART_MODELS:  # a text or image part with a wrong field
+        check_part(part, PART_MODELS[part.type], where)
+    if isinstance(part, TextPart):
+        if reads_images:
+            check_no_placeholder(part.text, f"{where}.text")
+        return part.text
+    if not isinstance(part, ImagePart):
+        taken = "text and image_url parts" if reads_images else "text parts"
+        raise APIError(400, f"{where}: {part.type!r} parts are not supported: this model takes {taken}",
+                       param=where)
+    if not reads_images:
+        raise APIError(400, f"{where}: 'image_url' parts are not supported: this model reads text only",
+                       param=where)
+    if role != "user":
+        raise APIError(400, f"{where}: an image in a {role!r} message; images go in user messages", param=where)
+    images.append(ImageRef(part.image_url.url, where))
+    return IMAGE_PLACEHOLDER
+
+
+def check_no_placeholder(text: str, field: str) -> None:
+    """The image placeholder in a message's text would be a second image, or one without pixels."""
+    if IMAGE_PLACEHOLDER in text:
+        raise APIError(400, f"{field}: holds the image placeholder {IMAGE_PLACEHOLDER!r} as text; send the image as "
+                            f"an image_url part (its place among the parts says where it goes)", param=field)
+
+
+def check_part(part: OtherPart, model: type[BaseModel], where: str) -> None:
+    """Raise the 400 that names what is wrong in a part of a known kind (the union took it as an other part)."""
+    try:
+        model.model_validate(part.model_dump())
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join([where, *map(str, first["loc"])])
+        message = "not a field this server takes" if first["type"] == "extra_forbidden" else first["msg"]
+        raise APIError(400, f"{field}: {message}", param=field) from None
+
+
+def chat_tools(body: ChatRequest) -> Optional[list[dict]]:
+    """The tools to give the chat template: none when tool_choice is "none"; only "auto" lets the model choose."""
+    choice = body.tool_choice if body.tool_choice is not None else "auto"
+    if choice not in ("auto", "none"):
+        raise APIError(400, f"tool_choice: only 'auto' and 'none' are supported, got {choice!r}",
+                       param="tool_choice")
+    if not body.tools or choice == "none":
+        return None
+    return [tool.model_dump() for tool in body.tools]
+
+
+def stops(body: SamplingFields) -> list[str]:
+    found = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    for i, stop in enumerate(found):
+        check_text(stop, "stop" if isinstance(body.stop, str) else f"stop.{i}")
+    return found
+
+
+def check_text(text: str, field: str) -> None:
+    """Text must be encodable as UTF-8 (JSON lets a lone surrogate such as "\\ud800" through)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{field}: not valid Unicode text ({e.reason} at character {e.start})", param=field)
+
+
+def sampling_of(body: SamplingFields, max_tokens: Optional[int], logprobs: Optional[int]) -> dict:
+    """The service's sampling dict; without max_tokens the reply may fill the rest of the window."""
+    chosen = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
+              "repetition_penalty": body.repetition_penalty, "presence_penalty": body.presence_penalty,
+              "frequency_penalty": body.frequency_penalty, "logit_bias": body.logit_bias or {},
+              "logprobs": logprobs, "seed": body.seed}
+    return chosen if max_tokens is None else {**chosen, "max_gen_len": max_tokens}

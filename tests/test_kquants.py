@@ -48,9 +48,9 @@ def theirs(blocks: np.ndarray, fmt: str) -> torch.Tensor:
 # ---- dequantizing: bit-exact to gguf -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def gemma_tensors(gemma3_gguf) -> list:
-    """The Gemma file's tensors, as the gguf package reads them (opening it takes about 10 s: 262k tokens)."""
-    return gguf.GGUFReader(gemma3_gguf).tensors
+def gemma_tensors(gemma3_reader) -> list:
+    """The Gemma file's tensors, as the gguf package reads them (the conftest opens it once: 262k tokens)."""
+    return gemma3_reader.tensors
 
 
 def test_gemma_file_tensors_dequantize_exactly_as_gguf(gemma_tensors):

@@ -48,13 +48,13 @@ def prompt_ids(float_import) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def oracle(gemma3_gguf, prompt_ids) -> list[list[int]]:
+def oracle(gemma3_gguf, gemma3_reader, prompt_ids) -> list[list[int]]:
     """transformers' greedy tokens for the prompts, from the GGUF dequantized to float32 by transformers itself
-    (the prompts' ids are ours: our tokenizer is the one transformers rebuilds from the GGUF's metadata)."""
-    from transformers import AutoModelForCausalLM
+    (the prompts' ids are ours: our tokenizer is the one transformers rebuilds from the GGUF's metadata). The file's
+    layout is parsed once for the suite (conftest.gguf_read_once)."""
+    from conftest import hf_model_of_gguf
 
-    model = AutoModelForCausalLM.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name,
-                                                 dtype=torch.float32).eval()
+    model = hf_model_of_gguf(gemma3_gguf, gemma3_reader)
     with torch.no_grad():
         return [model.generate(torch.tensor([ids]), max_new_tokens=GEN_STEPS, do_sample=False)[0, len(ids):].tolist()
                 for ids in prompt_ids]

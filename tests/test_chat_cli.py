@@ -46,15 +46,22 @@ class Terminal:
     def type(self, keys: str) -> None:
         os.write(self.master, keys.encode())
 
+    def signal_state(self) -> str:
+        """The program's signal masks and whether the terminal sends it Ctrl-C (its group in the foreground)."""
+        status = open(f"/proc/{self.proc.pid}/status").read().splitlines()
+        masks = ", ".join(line.replace("\t", " ") for line in status if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+        return f"{masks}; terminal's foreground group {os.tcgetpgrp(self.master)}, its group {os.getpgid(self.proc.pid)}"
+
     def wait(self, timeout: float = 60) -> int:
         """The exit status; a program still running after `timeout` fails the test with its threads' stacks."""
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            state = self.signal_state()
             os.killpg(self.proc.pid, signal.SIGABRT)  # faulthandler writes each thread's stack to stderr
             self.proc.wait(30)
             self.stderr.flush()
-            raise AssertionError(f"still running after {timeout} s; its stderr, stacks last:\n"
+            raise AssertionError(f"still running after {timeout} s ({state}); its stderr, stacks last:\n"
                                  f"{self.stderr_path.read_text()[-6000:]}") from None
         finally:
             os.close(self.master)

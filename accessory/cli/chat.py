@@ -31,8 +31,9 @@ def run_chat(args) -> None:
     model = load_model(args)
     pixels = image_pixels_of(model, image, args)
     source = model.ctx.is_source
-    if not source:  # the terminal's Ctrl-C reaches every rank; the source turns it into a clean end for all
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The terminal's Ctrl-C reaches every rank; the source turns it into a clean end for all, even if this process
+    # was started with SIGINT ignored (Python then keeps it ignored, and Ctrl-C at the prompt would do nothing).
+    signal.signal(signal.SIGINT, signal.default_int_handler if source else signal.SIG_IGN)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
     if source:

@@ -1,8 +1,8 @@
 """LLaMA2-Accessory's own inference examples (its docs/inference.md, "Input Construction & Response Generation"), run
 as a user runs them: one script that every rank runs, plainly or under torchrun. The changes for this machine: the
-checkpoint path, max_gen_len 16 instead of 512 (the suite's time), and each example's result kept (OUT/<rank>.json)
-beside the doc's print, so a test can compare the ranks. No process-group set-up, no barrier at the end: the doc's
-scripts have neither, and must run as they are.
+checkpoint path, max_gen_len 10 instead of 512 (the suite's time; the multi-turn answer meets its separator at 7),
+and each example's result kept (OUT/<rank>.json) beside the doc's print, so a test can compare the ranks. No
+process-group set-up, no barrier at the end: the doc's scripts have neither, and must run as they are.
 
 Usage: [torchrun --nproc-per-node=N] python seed_examples.py CHECKPOINT OUT
 """
@@ -15,7 +15,7 @@ from accessory.data.system_prompt import format_prompt
 from accessory.model.meta import MetaModel
 
 CHECKPOINT, OUT = sys.argv[1], sys.argv[2]
-MAX_GEN_LEN = 16
+MAX_GEN_LEN = 10
 results = {}
 
 model = MetaModel.from_pretrained(CHECKPOINT, max_seq_len=2048)

@@ -333,7 +333,8 @@ def test_request_id_comes_back_and_names_the_log_line(server):
 
 def test_a_waiting_stream_gets_keep_alive_comments(server):
     client = server.client()
-    long = dict(messages=[{"role": "user", "content": "Tell me a long story."}], max_tokens=30)
+    # 10 tokens keep the 8 rows busy for seconds (a decode step at 3 ranks takes ~0.3 s): keep-alives come each 0.3 s
+    long = dict(messages=[{"role": "user", "content": "Tell me a long story."}], max_tokens=10)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:  # they fill the batch's 8 rows
         busy = [pool.submit(chat, client, **long) for _ in range(8)]
         body = {"model": MODEL, "messages": QUESTION, "max_tokens": 4, "stream": True}

@@ -153,6 +153,12 @@ def models(smollm2_checkpoint, kept_checkpoint) -> dict:
 
 
 MODELS_BY_RANKS = {3: ("int8",), 9: ("int4-kept", "float32")}  # the kept bits at 3 ranks: test_real_model's CLI
+# Each rank count gets the 1-rank answer's first ANSWER_TOKENS after the question and its logits are compared at each
+# of them (the logits every greedy step chose from, whole), then it decodes greedily itself: fewer steps at 9 ranks
+# (9 processes on 2 cores: about 1.6 s a step) and 3, through the KV cache each time.
+ANSWER_TOKENS = 16
+GREEDY_STEPS = {1: 24, 3: 4, 9: 2}
+LOGITS_ATOL = 1e-3  # the ranks sum their shares in another order: up to ~8e-5 here, of logits up to ~37
 
 
 def chat_tokens(models: dict, steps: int) -> dict:
@@ -161,23 +167,36 @@ def chat_tokens(models: dict, steps: int) -> dict:
             for name, model in models.items()}
 
 
-def tokens_at_ranks(folders: dict, steps: int) -> dict:
-    """chat_tokens of the models loaded from {name: (folder, quant)} on this rank."""
+def answer_logits(model, answer: list[int]) -> torch.Tensor:
+    """The logits after the chat question and each token of `answer` fed after it (what each step chooses from)."""
+    ids = model.tokenizer.encode_chat(QUESTION)
+    with torch.no_grad():
+        return model.llma(torch.tensor([ids + answer]))[0, len(ids) - 1:]
+
+
+def at_ranks(folders: dict, answers: dict, steps: int) -> dict:
+    """{name: (chat_tokens, answer_logits)} of the models loaded from {name: (folder, quant)} on this rank."""
     from accessory.model.meta import MetaModel
 
-    return chat_tokens({name: MetaModel.from_pretrained(folder, max_seq_len=256, quant=quant)
-                        for name, (folder, quant) in folders.items()}, steps)
+    results = {}
+    for name, (folder, quant) in folders.items():
+        model = MetaModel.from_pretrained(folder, max_seq_len=256, quant=quant)
+        results[name] = (chat_tokens({name: model}, steps)[name], answer_logits(model, answers[name]))
+    return results
 
 
 @pytest.fixture(scope="module")
 def tokens_by_ranks(models, kept_checkpoint, smollm2_checkpoint) -> dict:
-    """At 1 rank every model; at 3 int8 (quantized while loading); at 9 (9 processes on this machine's cores: slow,
-    so fewer tokens) the kept bits and float32, the one 9-rank run of the suite."""
+    """{world: [each rank's {name: (greedy tokens, answer logits)}]}. At 1 rank every model; at 3 int8 (quantized
+    while loading); at 9 the kept bits and float32, the one 9-rank run of the suite."""
     folders = {"int4-kept": (kept_checkpoint, None), "int8": (smollm2_checkpoint, "int8"),
                "float32": (smollm2_checkpoint, None)}
-    out = {1: [chat_tokens(models, 24)],
-           3: run_ranks(3, tokens_at_ranks, {name: folders[name] for name in MODELS_BY_RANKS[3]}, 16),
-           9: run_ranks(9, tokens_at_ranks, {name: folders[name] for name in MODELS_BY_RANKS[9]}, 6)}
+    alone = chat_tokens(models, GREEDY_STEPS[1])
+    answers = {name: ids[:ANSWER_TOKENS] for name, ids in alone.items()}
+    out = {1: [{name: (alone[name], answer_logits(model, answers[name])) for name, model in models.items()}]}
+    for world in (3, 9):
+        out[world] = run_ranks(world, at_ranks, {name: folders[name] for name in MODELS_BY_RANKS[world]}, answers,
+                               GREEDY_STEPS[world])
     for results in out.values():
         for result in results:
             assert not isinstance(result, Exception), result.rank_traceback
@@ -187,18 +206,23 @@ def tokens_by_ranks(models, kept_checkpoint, smollm2_checkpoint) -> dict:
 @pytest.mark.parametrize("world", [3, 9])
 def test_models_give_the_same_tokens_at_1_3_and_9_ranks(tokens_by_ranks, world):
     """9 ranks split the FFN's 1536 hidden units (quantized: in whole groups of 32, 8 ranks hold 192, the last
-    none) and replicate the 3 KV heads; the groups do not depend on the rank count, so neither do the weights."""
+    none) and replicate the 3 KV heads; the groups do not depend on the rank count, so neither do the weights: the
+    logits at each of the answer's first 16 tokens are one process's, and so are the greedy tokens."""
     alone = tokens_by_ranks[1][0]
     for rank, result in enumerate(tokens_by_ranks[world]):
         assert set(result) == set(MODELS_BY_RANKS[world])
-        assert result == {name: alone[name][:len(ids)] for name, ids in result.items()}, f"rank {rank} of {world}"
+        for name, (ids, logits) in result.items():
+            assert len(ids) == GREEDY_STEPS[world] and ids == alone[name][0][:len(ids)], f"{name}: rank {rank}"
+            assert logits.shape == alone[name][1].shape == (ANSWER_TOKENS + 1, 49152)
+            difference = (logits - alone[name][1]).abs().max().item()
+            assert difference <= LOGITS_ATOL, f"{name}: rank {rank} of {world}: logits differ by {difference}"
 
 
 def test_quantized_answers_say_paris(tokens_by_ranks, smollm2_checkpoint):
     from accessory.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_path(smollm2_checkpoint)
-    for name, ids in tokens_by_ranks[1][0].items():
+    for name, (ids, _) in tokens_by_ranks[1][0].items():
         assert "Paris" in tokenizer.decode(ids), name
 
 

@@ -141,6 +141,28 @@ def smollm2_checkpoint() -> Path:
     return ensure_default_model()
 
 
+# Tests that end the shared `server`: they run after the last module with a test that uses it (test_serve_refusals'
+# 413 comes after test_serve.py by name), so the server starts once for the suite instead of again for that module.
+ENDS_THE_SHARED_SERVER = ("test_serve.py::test_sigterm_finishes_the_running_request_and_every_rank_exits_0",)
+
+
+def pytest_collection_modifyitems(items):
+    enders = [item for item in items if item.nodeid.endswith(ENDS_THE_SHARED_SERVER)]
+    rest = [item for item in items if item not in enders]
+
+    def uses_the_shared_server(item) -> bool:
+        definitions = getattr(item, "_fixtureinfo", None) and item._fixtureinfo.name2fixturedefs.get("server")
+        return bool(definitions) and definitions[-1].func.__module__ == __name__  # not test_fuzz's own `server`
+
+    users = [at for at, item in enumerate(rest) if uses_the_shared_server(item)]
+    if not enders or not users:
+        return
+    at = users[-1] + 1
+    while at < len(rest) and rest[at].module is rest[users[-1]].module:  # the rest of that module first
+        at += 1
+    items[:] = rest[:at] + enders + rest[at:]
+
+
 @pytest.fixture(scope="session")
 def _servers():
     started = []

@@ -77,7 +77,7 @@ def test_completion_logprobs_streamed_equal_whole(server):
 
 def test_n_samples_differ_and_repeat_with_a_seed(server):
     client = server.client()
-    ask = dict(messages=[{"role": "user", "content": "Write a word."}], max_tokens=6, temperature=1.0, seed=7)
+    ask = dict(messages=[{"role": "user", "content": "Write a word."}], max_tokens=4, temperature=1.0, seed=7)
     first = chat(client, n=3, logprobs=True, **ask)
     texts = [c.message.content for c in sorted(first.choices, key=lambda c: c.index)]
     assert [c.index for c in sorted(first.choices, key=lambda c: c.index)] == [0, 1, 2]
@@ -96,13 +96,13 @@ def test_n_samples_differ_and_repeat_with_a_seed(server):
 
 def test_logit_bias_and_min_p_change_what_is_chosen(server):
     client = server.client()
-    plain = chat(client, max_tokens=8, logprobs=True)
+    plain = chat(client, max_tokens=4, logprobs=True)
     first_token = plain.choices[0].logprobs.content[0].token
     first_id = post(server, "/tokenize", {"prompt": first_token, "add_special_tokens": False}).json()["tokens"][0]
-    banned = chat(client, max_tokens=8, logit_bias={str(first_id): -100}, logprobs=True)
+    banned = chat(client, max_tokens=1, logit_bias={str(first_id): -100}, logprobs=True)  # its first token is all
     assert banned.choices[0].logprobs.content[0].token != first_token
     # min_p = 1 keeps only the most likely token: sampling at any temperature is then greedy
-    assert chat(client, max_tokens=8, temperature=2.0, seed=3, extra_body={"min_p": 1.0}).choices[0].message.content == \
+    assert chat(client, max_tokens=4, temperature=2.0, seed=3, extra_body={"min_p": 1.0}).choices[0].message.content == \
         plain.choices[0].message.content
 
 

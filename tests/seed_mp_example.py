@@ -2,7 +2,7 @@
 user runs it: `mp.Process` per rank with spawn, the process group set up by the script, `mp_group` passed in, no
 barrier or destroy_process_group at the end, and the parent not joining its children. The changes for the CPU: gloo
 instead of NCCL (no `torch.cuda.set_device`), a free port and the rank count from the command line instead of 23560
-and N_GPU = 2, max_gen_len 10 (seed_examples.py's), and each rank's streamed texts kept (OUT/<rank>.json) beside the
+and N_GPU = 2, max_gen_len 8 (seed_examples.py's), and each rank's streamed texts kept (OUT/<rank>.json) beside the
 doc's print.
 
 Usage: python seed_mp_example.py CHECKPOINT OUT N_RANKS PORT
@@ -42,7 +42,7 @@ def main(world_size, rank) -> None:
     prompt = format_prompt({"instruction": instruction}, sys_name="alpaca")
 
     response, streamed = None, []
-    for response_in_progress in model.stream_generate(prompt, image=None, max_gen_len=10):
+    for response_in_progress in model.stream_generate(prompt, image=None, max_gen_len=8):
         response = response_in_progress['text']
         print(response)
         streamed.append(response)

@@ -57,7 +57,7 @@ def test_the_examples_at_one_rank(single):
     assert first == again and first.strip() and "." not in first  # it broke out at the separator, twice alike
     assert single["generate after"].strip()
     events = single["events"]
-    assert len(events) > 3 and events[-1][2:] == [True, "length", 12]
+    assert len(events) > 3 and events[-1][2:] == [True, "length", 6]
 
 
 def test_the_examples_under_torchrun_at_three_ranks_see_what_one_process_sees(smollm2_checkpoint, single,

@@ -135,12 +135,13 @@ def test_content_parts_developer_role_and_continuing_the_assistant(server):
     parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},
                                           {"type": "text", "text": "of France?"}]}]
     joined = [{"role": "user", "content": "What is the capital\nof France?"}]
-    assert chat(client, parts, max_tokens=8).choices[0].message.content == \
-        chat(client, joined, max_tokens=8).choices[0].message.content
+    assert chat(client, parts, max_tokens=4).choices[0].message.content == \
+        chat(client, joined, max_tokens=4).choices[0].message.content
     developer = [{"role": "developer", "content": "Answer in French."}, *QUESTION]
     system = [{"role": "system", "content": "Answer in French."}, *QUESTION]
-    assert chat(client, developer, max_tokens=8).choices[0].message.content == \
-        chat(client, system, max_tokens=8).choices[0].message.content
+    answer = chat(client, developer, max_tokens=4).choices[0].message.content
+    assert answer == chat(client, system, max_tokens=4).choices[0].message.content
+    assert answer != chat(client, max_tokens=4).choices[0].message.content  # the instruction changed the answer
     whole = chat(client, max_tokens=10).choices[0].message.content
     start = whole[:len(whole) // 2].rstrip()
     rest = chat(client, [*QUESTION, {"role": "assistant", "content": start}], max_tokens=10).choices[0]

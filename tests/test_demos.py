@@ -124,15 +124,16 @@ def test_multi_turn_mm_answers_about_an_uploaded_photo_as_the_model_does(tiny_ll
 
 # ---- the browser and the launch -----------------------------------------------------------------------------------
 
-@pytest.fixture
-def browser(tmp_path):
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """One headless chromium for the module's demos (each serves its page on a port of its own)."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--window-size=1280,960", f"--user-data-dir={tmp_path / 'chromium'}"):
+                 "--window-size=1280,960", f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     yield driver

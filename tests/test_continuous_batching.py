@@ -36,7 +36,7 @@ def drive(model, arrivals: dict, rows: int, cancels: dict = None):
     if scheduler is not None:
         step_of = scheduler.step
 
-        def step_with_arrivals(logits, step=iter(range(10 ** 6))):
+        def step_with_arrivals(logits, proposals=(), step=iter(range(10 ** 6))):
             now = next(step)
             for r in arrivals.get(now, []):
                 requests[r.id] = r
@@ -45,7 +45,7 @@ def drive(model, arrivals: dict, rows: int, cancels: dict = None):
                 scheduler.cancel(request_id)
             if now == max(arrivals):
                 scheduler.close()
-            return step_of(logits)
+            return step_of(logits, proposals)
 
         scheduler.step = step_with_arrivals
     next_plan = engine._next_plan

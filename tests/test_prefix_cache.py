@@ -36,10 +36,10 @@ def drive(engine, script, rows: int) -> tuple[list, object]:
             requests.append(r)
             scheduler.add(r)
 
-        def scripted(logits):
+        def scripted(logits, proposals=()):
             if not scheduler.closed and script(next(steps), add):
                 scheduler.close()  # read from the inbox by the step below: `closed` is set then
-            return step_of(logits)
+            return step_of(logits, proposals)
 
         scheduler.step = scripted
     for _ in engine.run(scheduler, rows, engine.max_seq_len):

@@ -325,3 +325,21 @@ def test_a_split_off_the_quantization_groups_is_refused_by_name():
                                           r"blocks of 32 inputs, but this rank's inputs \[0, 48\) of 96 at 2 "
                                           r"model-parallel ranks do not fall on them"):
         model.quantize_(model.quantization_plan("int8"))
+
+
+def load_int8(folder):
+    from accessory.model.meta import MetaModel
+
+    return MetaModel.from_pretrained(folder, max_seq_len=64, quant="int8")
+
+
+def test_a_slice_that_one_rank_cannot_quantize_ends_every_rank_with_an_error(tiny_checkpoints):
+    """The tiny model's hidden size of 100 leaves some rank of 3 a slice that is no whole number of int8 blocks: that
+    rank's error reaches the others (a rank that raised alone left them waiting in the next collective)."""
+    from accessory.errors import ConfigError
+
+    errors = run_ranks(3, load_int8, tiny_checkpoints["mha", 3])
+    assert all(isinstance(e, Exception) for e in errors), errors
+    named = [e for e in errors if isinstance(e, ConfigError)]
+    assert named and all("whole blocks of 32" in str(e) for e in named)
+    assert all("whole blocks of 32" in str(e) and "failed" in str(e) for e in errors if e not in named)

@@ -49,25 +49,25 @@ def test_a_failing_row_ends_alone_with_an_error_event_and_the_others_are_untouch
     """NaN logits in one greedy row and in one sampled row, mid-generation, among live rows."""
     from accessory.generation.scheduler import Scheduler
 
-    choose = Scheduler._choose
+    sample = Scheduler._sample
 
-    def poisoned(self, logits):
+    def poisoned(self, logits, proposals, events):
         logits = logits.clone()
         for row, request in enumerate(self.active):
             if request.id == 1 and len(request.generated) == 3:
                 logits[row, 7] = math.nan
-        return choose(self, logits)
+        return sample(self, logits, proposals, events)
 
-    monkeypatch.setattr(Scheduler, "_choose", poisoned)
+    monkeypatch.setattr(Scheduler, "_sample", poisoned)
     sampled = dict(temperature=0.8, seed=5)
     events = list(model.stream_generate(PROMPTS, max_gen_len=10))[-1]
     assert events[1].finish_reason == "error" and {events[0].finish_reason, events[2].finish_reason} <= ENDED
     assert "NaN" in events[1].error and events[1].completion_tokens == 3
-    monkeypatch.setattr(Scheduler, "_choose", choose)
+    monkeypatch.setattr(Scheduler, "_sample", sample)
     alone = model.generate([PROMPTS[0]], max_gen_len=10) + model.generate([PROMPTS[2]], max_gen_len=10)
     assert [events[0].text, events[2].text] == alone
 
-    monkeypatch.setattr(Scheduler, "_choose", poisoned)  # the sampled path raises SamplingError the same way
+    monkeypatch.setattr(Scheduler, "_sample", poisoned)  # the sampled path raises SamplingError the same way
     events = list(model.stream_generate(PROMPTS, max_gen_len=10, **sampled))[-1]
     assert events[1].finish_reason == "error" and {events[0].finish_reason, events[2].finish_reason} <= ENDED
 
@@ -176,15 +176,16 @@ def test_a_failed_request_is_a_500_or_an_error_event_and_the_server_goes_on(api,
     from accessory.generation.scheduler import Scheduler
 
     client, _ = api
-    choose = Scheduler._choose
-    monkeypatch.setattr(Scheduler, "_choose", lambda self, logits: choose(self, logits.clone().fill_(math.nan)))
+    sample = Scheduler._sample
+    monkeypatch.setattr(Scheduler, "_sample", lambda self, logits, proposals, events:
+                        sample(self, logits.clone().fill_(math.nan), proposals, events))
     answer = completion(client)
     assert answer.status_code == 500 and "generation failed" in answer.json()["error"]["message"]
     with client.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 4,
                                                          "stream": True}) as streamed:
         lines = [line for line in streamed.iter_lines() if line.startswith("data: ")]
     assert "generation failed" in json.loads(lines[-2][6:])["error"]["message"] and lines[-1] == "data: [DONE]"
-    monkeypatch.setattr(Scheduler, "_choose", choose)
+    monkeypatch.setattr(Scheduler, "_sample", sample)
     assert completion(client).status_code == 200
     assert client.get("/health").json()["running"] == 0
 

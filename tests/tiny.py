@@ -38,20 +38,25 @@ def tiny_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     return weights
 
 
-def greedy_ids(model, prompts: list[list[int]], steps: int, engine=None, images=None, **sampling) -> list[list[int]]:
+def greedy_ids(model, prompts: list[list[int]], steps: int, engine=None, images=None, seeds=None, stats=None,
+               **sampling) -> list[list[int]]:
     """Exactly `steps` greedy tokens per prompt (no stop tokens), straight from the engine (model.engine, or
     `engine`); the source rank's tokens, on every rank (only the source rank samples). `images`: each prompt's
-    pixels or None."""
+    pixels or None. `seeds`: each row's (default 0), for `sampling` other than greedy. `stats`: a list the engine's
+    EngineStats of the run is appended to."""
     from accessory.generation.sampling import SamplingParams
     from accessory.generation.requests import Request
 
     engine = (engine or model.engine).configured(max_batch_size=len(prompts))
     engine.stop_ids = set()
     images = images or [None] * len(prompts)
-    requests = [Request(row, ids, SamplingParams(max_gen_len=steps, **sampling), 0, image=image)
-                for row, (ids, image) in enumerate(zip(prompts, images))]
+    seeds = seeds or [0] * len(prompts)
+    requests = [Request(row, ids, SamplingParams(max_gen_len=steps, **sampling), seed, image=image)
+                for row, (ids, image, seed) in enumerate(zip(prompts, images, seeds))]
     for _ in engine.stream(requests):
         pass
+    if stats is not None:
+        stats.append(engine.stats)
     return model.ctx.broadcast_object([request.generated for request in requests])
 
 

@@ -3,6 +3,7 @@ the argparse types that refuse a bad value naming what was expected."""
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Optional
 
 from accessory.config_file import add_config_arg, parsers, verb_parsers
@@ -75,6 +76,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="rows decoded together; more requests wait for a free row")
     engine.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile "
                         "(CUDA graphs on CUDA): tens of seconds once, faster steps after")
+    engine.add_argument("--speculative-config", type=speculative_config, metavar="JSON",
+                        help='speculative decoding, as vLLM configures it (same output, several tokens a step): '
+                        '\'{"method": "ngram", "num_speculative_tokens": 4}\' proposes tokens found in the prompt and '
+                        'output; \'{"model": "self", "quant": "int4"}\' drafts with the model itself in int4; '
+                        '\'{"model": PATH}\' with a draft checkpoint (docs/speculative.md)')
     engine.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", help="prefill every prompt "
                         "in full (by default a prompt's start already in the KV cache is reused: a shared system "
                         "prompt, a chat's earlier turns)")
@@ -128,6 +134,21 @@ def checked(convert, ok, expected: str):
             raise argparse.ArgumentTypeError(f"must be {expected}, got {value}")
         return x
     return parse
+
+
+def speculative_config(text: str) -> dict:
+    """--speculative-config: a JSON object that SpeculativeConfig accepts (checked before any model loads)."""
+    from accessory.errors import ConfigError
+    from accessory.generation.speculative import SpeculativeConfig
+
+    try:
+        values = json.loads(text)
+        SpeculativeConfig.from_dict(values, "--speculative-config")
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"method\": \"ngram\"}}': {e}") from None
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return values
 
 
 def image_transform_name(name: str) -> str:

@@ -76,7 +76,8 @@ def load_model(args, mp_group=None, warmup: bool = False):
                                       dtype=args.dtype, device=args.device, mp_group=mp_group, quant=args.quant,
                                       max_batch_size=args.max_batch_size, compile=args.compile,
                                       prefix_cache=args.prefix_cache, prefix_cache_bytes=args.prefix_cache_bytes,
-                                      rank_timeout=getattr(args, "rank_timeout", 60.0), warmup=warmup)
+                                      rank_timeout=getattr(args, "rank_timeout", 60.0), warmup=warmup,
+                                      speculative_config=getattr(args, "speculative_config", None))
     if args.chat_template:
         model.tokenizer.set_chat_template(args.chat_template)
         model.stop_ids = model.tokenizer.chat_stop_ids  # EOS and the new template's end-of-turn token

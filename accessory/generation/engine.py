@@ -9,6 +9,10 @@ Every rank runs the same steps and the source rank decides them. Each step of `E
    rank's logits are gathered to the source rank alone.
 In `stream`, every rank holds the requests, and the other ranks' `Follower`s write the same events from the tokens,
 so every rank yields the same stream.
+
+With speculative decoding (`EngineSettings.speculative`, speculative.py), each row's step may score its next token
+and a few proposed ones (the model's `verify`), and keep several tokens; the scheduler decides which, and the plan
+tells every rank.
 """
 from __future__ import annotations
 
@@ -18,10 +22,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Collection, Iterator, Optional
 
+import torch
+
 from accessory.errors import ConfigError, RanksDisagree
+from accessory.generation.draft import DraftProposer
 from accessory.generation.model_runner import ModelRunner, compiled
 from accessory.generation.requests import Event, Request
 from accessory.generation.scheduler import Follower, Plan, Scheduler
+from accessory.generation.speculative import NgramProposer, SpeculativeConfig
 from accessory.generation.wire import share_plan
 from accessory.parallel.watchdog import announce_failure
 
@@ -35,12 +43,14 @@ class EngineSettings:
     `keep_cache_bytes`: after a run, a KV cache up to this size stays allocated for the next one.
     `prefix_cache`: a prompt that starts with tokens already in the KV cache reuses them instead of recomputing
     them. `prefix_cache_bytes`: finished sequences are kept for that in extra cache rows, as many whole rows as fit
-    in this many bytes per rank (at most max_batch_size rows; 0 keeps none, and live rows are still shared)."""
+    in this many bytes per rank (at most max_batch_size rows; 0 keeps none, and live rows are still shared).
+    `speculative`: speculative decoding's proposer (None: none)."""
     max_batch_size: int = 32
     compile: bool = False
     keep_cache_bytes: int = 256 << 20
     prefix_cache: bool = True
     prefix_cache_bytes: int = 256 << 20
+    speculative: Optional[SpeculativeConfig] = None
 
     def __post_init__(self):
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -50,33 +60,75 @@ class EngineSettings:
 
 
 @dataclass
-class PrefillStats:
-    """Prompt tokens since the engine was built: computed by prefill, and reused from the KV cache instead."""
+class EngineStats:
+    """Since the engine was built: prompt tokens computed by prefill, and reused from the KV cache instead; tokens
+    proposed by speculative decoding, and of those, accepted."""
     prefilled_tokens: int = 0
     reused_tokens: int = 0
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class Engine:
     """One per loaded model: MetaModel, the server, batch jobs, the demos and the tests all drive this object."""
 
     def __init__(self, model, tokenizer, settings: EngineSettings = EngineSettings(),
-                 stop_ids: Collection[int] = ()):
-        self.model, self.tokenizer, self.settings = model, tokenizer, settings
+                 stop_ids: Collection[int] = (), draft=None):
+        """`draft`: speculative decoding's draft network (settings.speculative's method "draft_model")."""
+        self.model, self.tokenizer, self.settings, self.draft_model = model, tokenizer, settings, draft
         self.ctx = model.ctx
         self.stop_ids = set(stop_ids)  # EOS and the chat template's end-of-turn token: they end any request
         if settings.compile and model.device.type == "cpu" and not shutil.which(os.environ.get("CXX", "c++")):
             raise ConfigError("compile=True on the CPU needs a C++ compiler (torch's inductor writes C++): install "
                               "one (g++), or run without --compile")
         self.decode_step = compiled(model.decode, model.device) if settings.compile else model.decode
+        # several tokens per row (speculative decoding; a draft catching up), compiled lazily: at its first call
+        self.verify_step = compiled(model.verify, model.device) if settings.compile else model.verify
         # The ids it samples from: the model's rows the tokenizer can write. LLaVA pads its table past the
         # tokenizer's (32064 rows, 32002 tokens), and an id the tokenizer cannot decode would end the request.
         self.vocab_size = min(model.args.vocab_size, tokenizer.n_words)
-        self.stats = PrefillStats()  # the same on every rank
+        self.stats = EngineStats()  # the same on every rank
         self.calls = 0  # runs started: the same count on every rank that runs the same code
+        self.draft = None
+        if settings.speculative is not None:
+            self._speculate(settings.speculative, draft)
+
+    def _speculate(self, config: SpeculativeConfig, draft) -> None:
+        """Check the model can verify proposals, and set up the draft's engine."""
+        if any(window is not None for window in self.model.windows):
+            raise ConfigError("speculative decoding needs every layer's KV cache full-width; this model's "
+                              "sliding-window layers keep only their window (a rejected proposal would overwrite a "
+                              "position still in it): run it without speculative_config")
+        if (config.method == "draft_model") != (draft is not None):
+            raise ConfigError(f"speculative_config method {config.method!r} "
+                              f"{'needs a draft model' if draft is None else 'takes no draft model'}")
+        if draft is not None:
+            self.draft = Engine(draft, self.tokenizer, replace(self.settings, speculative=None))
+
+    def proposer(self, rows: int, columns: int, keep_finished: bool):
+        """A run's proposer for speculative decoding (its draft's cache rows, if it has a draft), or None."""
+        config = self.settings.speculative
+        if config is None:
+            return None
+        if self.draft is not None:
+            return DraftProposer(self.draft, rows, columns, keep_finished, self.vocab_size,
+                                 config.num_speculative_tokens)
+        return NgramProposer(config)
+
+    @torch.inference_mode()
+    def compile_verify(self) -> None:
+        """Compile the verify step (speculative decoding), the draft's too, for one row and for several (symbolic
+        sizes): feed a throwaway run's rows a few tokens each, so that no request waits on its compilation."""
+        for engine in (self, self.draft) if self.draft is not None else (self,):
+            for rows in (1, 2):
+                runner = ModelRunner(engine, rows, 16, keep_finished=False)
+                runner.prefill(((1, 2),) * rows, (None,) * rows)
+                runner.feed([(3, 4, 5)] * rows)
+                runner.feed([(6, 7)] * rows)
 
     def configured(self, **changes) -> "Engine":
         """An engine for the same model with some settings changed."""
-        return Engine(self.model, self.tokenizer, replace(self.settings, **changes), self.stop_ids)
+        return Engine(self.model, self.tokenizer, replace(self.settings, **changes), self.stop_ids, self.draft_model)
 
     @property
     def max_seq_len(self) -> int:
@@ -126,7 +178,7 @@ class Engine:
         logits, step = None, 0
         try:
             while True:
-                plan, events = self._next_plan(scheduler, logits, runner.rows, follower, followed, step)
+                plan, events = self._next_plan(scheduler, logits, runner, follower, followed, step)
                 if events and (plan.done or not followed):
                     yield events
                 if plan.done:
@@ -142,14 +194,14 @@ class Engine:
             if self.model.cache_nbytes > self.settings.keep_cache_bytes:
                 self.model.free_caches()
 
-    def _next_plan(self, scheduler, logits, rows: int, follower: Optional[Follower], followed: bool,
+    def _next_plan(self, scheduler, logits, runner: ModelRunner, follower: Optional[Follower], followed: bool,
                    step: int) -> tuple[Plan, list[Event]]:
         """The source rank's plan for the next step, on every rank, with the step's events (on the source rank,
         and on a follower's)."""
         plan, events, error = None, [], None
         if scheduler is not None:
             try:
-                plan, events = scheduler.step(logits)
+                plan, events = scheduler.step(logits, runner.proposed)
             except Exception as e:  # tell the other ranks before raising, so they do not wait forever
                 error = e
         if self.ctx.world_size == 1:
@@ -157,7 +209,8 @@ class Engine:
                 raise error
             return plan, events
         extras = scheduler.extras if followed and scheduler else ()
-        plan, extras = share_plan(self.ctx, plan, error, rows, extras, self.calls, step)
+        width = 1 + (self.settings.speculative.num_speculative_tokens if self.settings.speculative else 0)
+        plan, extras = share_plan(self.ctx, plan, error, runner.rows, extras, self.calls, step, width)
         if follower is not None:
             with self._alone():
                 events = follower.events(plan, list(extras))

@@ -5,12 +5,14 @@ A row's token at position p lives in KV-cache column p: rows at different positi
 padded, and a row that leaves frees its cache row at once (a live row from the end takes its place). One step,
 `ModelRunner.step(plan)`, top to bottom:
 1. `_score`: the prompts whose every position's logits were asked for get a forward pass of their own.
-2. `_compact`: the rows that finished are copied into the retained rows (`_retain`, for the prefix cache), then the
+2. `compact`: the rows that finished are copied into the retained rows (`_retain`, for the prefix cache), then the
    kept rows move into the holes, so the live rows are 0..n-1 again.
 3. `_decode`: one token for each kept row at that row's next position, through `Engine.decode_step`
    (`Transformer.decode`: static shapes, no host sync; with `compile`, the graph `compiled` makes, with symbolic
-   sizes, and one for a single row), attending over a power-of-two number of columns (`_bucket`).
-4. `_prefill`: the joining prompts, packed into one sequence (`_prefill_packed`). A joining prompt that starts with
+   sizes, and one for a single row), attending over a power-of-two number of columns (`_bucket`). With speculative
+   decoding, rows with proposals (speculative.py) are scored with them in one `Engine.verify_step` instead
+   (`_verify`), and the next step first drops the proposals the source rank rejected (`_settle`).
+4. `prefill`: the joining prompts, packed into one sequence (`_prefill_packed`). A joining prompt that starts with
    tokens some cache row already holds (a live row, or a finished one kept for reuse) copies their keys and values
    instead of recomputing them (`_copy_prefixes`, prefix.py); every rank decides that alike from the plans.
 5. Each rank's logits (its slice of the vocabulary) are gathered to the source rank alone, where the scheduler
@@ -25,6 +27,7 @@ import torch.fx.experimental._config as fx_config
 
 from accessory.generation.prefix import RetainedRows, plan_reuse, waves
 from accessory.generation.scheduler import Plan
+from accessory.generation.speculative import RowBudget, accepted_count
 from accessory.network.components import Segment, decode_mask
 from accessory.network.vision import image_key
 
@@ -41,6 +44,9 @@ class ModelRunner:
         self.engine, self.model, self.rows = engine, engine.model, rows
         self.columns = _bucket(columns, engine.max_seq_len)
         self.cached: list[list[int]] = []  # the tokens each live row holds in columns 0..len-1 (fed, not sampled)
+        self.proposer = engine.proposer(rows, columns, keep_finished)  # None without speculative decoding
+        self.budgets: list[RowBudget] = []  # each live row's speculation back-off
+        self.proposed: list[tuple[int, ...]] = []  # each row's proposals scored in the last step (source: its rows)
         live = max(rows, 2)  # at least 2: torch.compile gives a size of 1 a graph of its own; a cache row is cheap
         self.retained = RetainedRows(live, self._retained_rows(rows, self.columns) if keep_finished else 0)
         with torch.inference_mode():
@@ -58,20 +64,29 @@ class ModelRunner:
         """Run `plan`: logits (rows after the step, vocab) on the source rank, None elsewhere or if no rows run;
         and the logits (length, vocab) of each prompt the plan scores, on the source rank (else [])."""
         scored = [self._score(tokens) for tokens in plan.score]
-        self._compact(plan.keep)
+        self._settle(plan.results)
+        self.compact(plan.keep)
         if len(plan.keep) + len(plan.admit) > self.rows:
             raise RuntimeError(f"plan has {len(plan.keep) + len(plan.admit)} rows; the batch holds {self.rows}")
-        local = []
+        local, self.proposed = [], []
         if plan.keep:
             local.append(self._decode(plan.tokens))
         if plan.admit:
-            local.append(self._prefill(plan.admit, plan.images or (None,) * len(plan.admit)))
+            images = plan.images or (None,) * len(plan.admit)
+            local.append(self.prefill(plan.admit, images))
+            if self.proposer is not None:
+                self.proposer.admit(plan.admit, images)
+                self.budgets += [RowBudget(self.engine.settings.speculative.num_speculative_tokens)
+                                 for _ in plan.admit]
+            self.proposed += [()] * len(plan.admit)
         scored = scored if self.engine.ctx.is_source else []
         if not local:
             return None, scored
+        if local[0].dim() == 3 and len(local) == 2:  # verified rows' logits (rows, L, vocab): a prompt's in slot 0
+            local[1] = local[1][:, None].expand(-1, local[0].shape[1], -1)
         local = local[0] if len(local) == 1 else torch.cat(local)
-        logits = self.engine.ctx.gather_to_source(local)  # (rows, vocab padded to the ranks)
-        return (None if logits is None else logits[:, :self.engine.vocab_size]), scored
+        logits = self.engine.ctx.gather_to_source(local)  # (rows, [L,] vocab padded to the ranks)
+        return (None if logits is None else logits[..., :self.engine.vocab_size]), scored
 
     # ---- 1. scoring -------------------------------------------------------------------------------------------------
 
@@ -83,7 +98,20 @@ class ModelRunner:
 
     # ---- 2. compaction ----------------------------------------------------------------------------------------------
 
-    def _compact(self, keep: tuple[int, ...]) -> None:
+    def _settle(self, results: tuple[tuple[tuple[int, ...], int], ...]) -> None:
+        """Drop from each row the proposals the last step fed but the source rank did not keep (`results`: each
+        row's kept tokens, as the plan says), so its next token goes where the first rejected one went."""
+        stats = self.engine.stats
+        for row, ((kept, _), proposed) in enumerate(zip(results, self.proposed)):
+            if proposed:
+                accepted = accepted_count(proposed, kept)
+                del self.cached[row][len(self.cached[row]) - len(proposed) + accepted:]
+                self.budgets[row].observe(len(proposed), accepted)
+                stats.proposed_tokens += len(proposed)
+                stats.accepted_tokens += accepted
+
+    def compact(self, keep: tuple[int, ...]) -> None:
+        """Finished rows leave (kept for reuse if they fit), the rows in `keep` become rows 0..len(keep)-1."""
         kept = set(keep)
         self._retain([row for row in range(len(self.cached)) if row not in kept])
         moves = [(dst, src) for dst, src in enumerate(keep) if dst != src]
@@ -91,6 +119,9 @@ class ModelRunner:
             end = max(len(self.cached[src]) for _, src in moves)
             self.model.move_cache_rows([d for d, _ in moves], [s for _, s in moves], end)
         self.cached = [self.cached[src] for src in keep]
+        if self.proposer is not None:
+            self.budgets = [self.budgets[src] for src in keep]
+            self.proposer.compact(keep)
 
     def _retain(self, finished: list[int]) -> None:
         """Copy finished rows into the retained rows, before compaction overwrites them."""
@@ -106,7 +137,12 @@ class ModelRunner:
     # ---- 3. the decode step -----------------------------------------------------------------------------------------
 
     def _decode(self, tokens: tuple[int, ...]) -> torch.Tensor:
-        """This rank's logits (len(tokens), local vocab) of one token for each of the first len(tokens) rows."""
+        """This rank's logits (len(tokens), local vocab) of one token for each of the first len(tokens) rows; or,
+        when some rows have proposals, (len(tokens), L, local vocab) from `_verify`."""
+        proposals = self._propose(tokens)
+        if any(proposals):
+            return self._verify(tokens, proposals)
+        self.proposed = [()] * len(tokens)
         n, device = len(tokens), self.model.device
         ends = [len(row) for row in self.cached]  # each row's next position
         width = _bucket(max(ends) + 1, self.columns)
@@ -121,6 +157,46 @@ class ModelRunner:
             row.append(token)
         return logits[:n]
 
+    def _propose(self, tokens: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """Each row's proposals for the tokens after `tokens[row]`, as many as its budget and the cache allow."""
+        if self.proposer is None:
+            return []
+        limits = [min(budget.next(), self.columns - 1 - len(row)) for budget, row in zip(self.budgets, self.cached)]
+        if not any(limits):
+            return []
+        return self.proposer.propose(self.cached, tokens, limits)
+
+    def _verify(self, tokens: tuple[int, ...], proposals: list[tuple[int, ...]]) -> torch.Tensor:
+        """This rank's logits (rows, L, local vocab) of each row's next token and its proposals after it."""
+        self.proposed = list(proposals)
+        return self.feed([(token, *proposed) for token, proposed in zip(tokens, proposals)])
+
+    def feed(self, sequences: list[tuple[int, ...]]) -> torch.Tensor:
+        """Write sequences[row] into each of the first len(sequences) rows after what it holds, in L = the longest
+        one's slots per row; this rank's logits (rows, L, local vocab) at every slot. A shorter row fills its spare
+        slots with its last token at the positions after it (columns no step has reached: each is rewritten before
+        any token attends to it), or at the cache's last column; so does an empty one, whose row is unchanged."""
+        n, device = len(sequences), self.model.device
+        slots = max(max(len(seq) for seq in sequences), 1)
+        padded = self._padded_rows(n)
+        token_ids = torch.zeros(padded, slots, dtype=torch.long)
+        positions = torch.zeros(padded, slots, dtype=torch.long)
+        for row, (seq, cached) in enumerate(zip(sequences, self.cached)):
+            last = seq[-1] if seq else cached[-1]
+            token_ids[row] = torch.tensor(seq + (last,) * (slots - len(seq)))
+            start = len(cached) if seq else self.columns - 1
+            positions[row] = (torch.arange(slots) + start).clamp(max=self.columns - 1)
+        width = _bucket(int(positions.max()) + 1, self.columns)
+        token_ids, positions = token_ids.to(device), positions.to(device)
+        if slots == 1:
+            logits = self.engine.decode_step(token_ids[:, 0], positions[:, 0], decode_mask(positions[:, 0], width))
+            logits = logits[:, None]
+        else:
+            logits = self.engine.verify_step(token_ids, positions, decode_mask(positions, width))
+        for row, seq in zip(self.cached, sequences):
+            row.extend(seq)
+        return logits[:n]
+
     def _padded_rows(self, n: int) -> int:
         """On CUDA graphs, a power-of-two number of rows (few graphs to capture); otherwise exactly n."""
         if not (self.engine.settings.compile and self.model.device.type == "cuda"):
@@ -129,7 +205,7 @@ class ModelRunner:
 
     # ---- 4. packed prefill, reusing cached prefixes -----------------------------------------------------------------
 
-    def _prefill(self, admit: tuple[tuple[int, ...], ...], images: tuple) -> torch.Tensor:
+    def prefill(self, admit: tuple[tuple[int, ...], ...], images: tuple) -> torch.Tensor:
         """Write each prompt (with its image's pixels, or None) into its new row (after the current ones), reusing
         cached prefixes; this rank's logits (prompts, local vocab) of each prompt's last token."""
         prompts = [list(p) for p in admit]

@@ -18,7 +18,6 @@ log = logging.getLogger(__name__)
 # How a request ended, as a plan sends it (0: it goes on). "error": this request failed; the others go on.
 FINISH_CODES = {None: 0, "stop": 1, "length": 2, "cancelled": 3, "error": 4}
 FINISH_REASONS = {code: reason for reason, code in FINISH_CODES.items()}
-NO_TOKEN = -1  # a row's result when no token joined its text (a stop id, a failure)
 TRUNCATE_POLICIES = ("left", "error")
 
 
@@ -100,7 +99,9 @@ class Request:
     admitted_at: Optional[float] = None  # time.monotonic() when it joined the batch
     prompt_logprobs: Optional[tuple] = None  # computed, not yet sent
 
-    pushed: int = NO_TOKEN  # the token that joined the text in the current step
+    pushed: list[int] = field(default_factory=list)  # the tokens that joined the text in the current step
+    proposed_tokens: int = 0  # speculative decoding: tokens proposed for this request, and of those, accepted
+    accepted_tokens: int = 0
 
     # ---- the text and events callers see: the scheduler and a Follower write them alike ---------------------------
 
@@ -109,7 +110,7 @@ class Request:
 
     def push(self, token: int) -> None:
         self.text.push(token)
-        self.pushed = token
+        self.pushed.append(token)
 
     def finish(self, reason: str, events: list) -> None:
         self.finish_reason = reason

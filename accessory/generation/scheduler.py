@@ -18,8 +18,9 @@ from typing import Collection, Optional, Sequence
 
 import torch
 
-from accessory.generation.requests import FINISH_CODES, FINISH_REASONS, NO_TOKEN, Event, Request, TokenLogprob
+from accessory.generation.requests import FINISH_CODES, FINISH_REASONS, Event, Request, TokenLogprob
 from accessory.generation.sampling import NAN_LOGITS, Penalties, SamplingError, greedy, sample
+from accessory.generation.speculative import accepted_count
 
 log = logging.getLogger(__name__)
 
@@ -30,16 +31,16 @@ class Plan:
     have finished), `tokens[j]` its next input token; `admit` are the prompts (token ids) of rows that join after
     them, and `images` their images' pixels (one per prompt in admit, or None; empty when none has one);
     `score`: prompts whose logits at every position the source rank wants (prompt log-probabilities). `done`:
-    nothing is left, the run ends. `results`: what the last step did to each of its rows, (the token that joined
-    the row's text or NO_TOKEN, the FINISH_CODES of how it ended or 0), and `admitted` the ids of the requests
-    admitted: a Follower needs them to write the same events."""
+    nothing is left, the run ends. `results`: what the last step did to each of its rows, (the tokens that joined
+    the row's text: one, or with speculative decoding up to 1 + its proposals, or none; the FINISH_CODES of how it
+    ended or 0), and `admitted` the ids of the requests admitted: a Follower needs them to write the same events."""
     keep: tuple[int, ...] = ()
     tokens: tuple[int, ...] = ()
     admit: tuple[tuple[int, ...], ...] = ()
     done: bool = False
     score: tuple[tuple[int, ...], ...] = ()
     images: tuple[Optional[torch.Tensor], ...] = ()
-    results: tuple[tuple[int, int], ...] = ()
+    results: tuple[tuple[tuple[int, ...], int], ...] = ()
     admitted: tuple = ()
 
     @property
@@ -77,16 +78,18 @@ class Scheduler:
 
     # ---- the driving thread -----------------------------------------------------------------------------------------
 
-    def step(self, logits: Optional[torch.Tensor]) -> tuple[Plan, list[Event]]:
-        """Sample the last step's logits (one row per active request), then plan the next step."""
+    def step(self, logits: Optional[torch.Tensor],
+             proposals: Sequence[tuple[int, ...]] = ()) -> tuple[Plan, list[Event]]:
+        """Sample the last step's logits (one row per active request; with speculative decoding (rows, L, vocab):
+        the row's next token's and each of its `proposals`' after it), then plan the next step."""
         events: list[Event] = []
         stepped = list(self.active)  # the rows of `logits`
         for request in stepped:
-            request.pushed = NO_TOKEN
+            request.pushed = []
         if logits is not None:
-            self._sample(logits, events)
+            self._sample(logits, proposals, events)
         self._read_inbox(events, wait=not self.active and not self.waiting and not self.closed)
-        results = tuple((r.pushed, FINISH_CODES[r.finish_reason]) for r in stepped)
+        results = tuple((tuple(r.pushed), FINISH_CODES[r.finish_reason]) for r in stepped)
         rows = {r.id for r in stepped}
         self.extras = tuple(e for e in events if e.id not in rows or e.error is not None or e.logprobs
                             or e.prompt_logprobs is not None)
@@ -148,17 +151,26 @@ class Scheduler:
         if request.params.penalized:
             request.penalties = Penalties(request.params, request.tokens, self.vocab_size, self.device)
 
-    def _sample(self, logits: torch.Tensor, events: list) -> None:
-        for row, (request, token) in enumerate(zip(self.active, self._choose(logits))):
-            if request.finish_reason is not None:
-                continue  # cancelled during the step
-            if isinstance(token, Exception):
-                self._fail(request, token, events)
-                continue
+    def _sample(self, logits: torch.Tensor, proposals: Sequence[tuple[int, ...]], events: list) -> None:
+        """Each row's token, as plain decoding samples it; with proposals, the row's next slot is sampled the same
+        way while each sample equals the proposal it was scored after (speculative.py: the output is the same)."""
+        slots = logits if logits.dim() == 3 else logits[:, None]  # (rows, L, vocab)
+        tokens, broken = greedy(slots.flatten(0, 1))  # plain greedy rows' tokens, all at once
+        tokens, broken = tokens.view(slots.shape[:2]).tolist(), broken.view(slots.shape[:2]).tolist()
+        for row, request in enumerate(self.active):
+            proposed = proposals[row] if proposals else ()
             try:
-                self._advance(request, token, logits[row], events)
-            except Exception as error:  # this request ends; the batch, the others and the server go on
-                self._fail(request, error, events)
+                for slot in range(len(proposed) + 1):
+                    if request.finish_reason is not None:
+                        break  # cancelled during the step, or ended by the last token
+                    token = self._choose(request, slots[row, slot], tokens[row][slot], broken[row][slot])
+                    self._advance(request, token, slots[row, slot], events)
+                    if slot == len(proposed) or token != proposed[slot]:
+                        break
+                request.proposed_tokens += len(proposed)
+                request.accepted_tokens += accepted_count(proposed, request.pushed)
+            except Exception as error:  # SamplingError, a constraint that failed, a stop string that raised: this
+                self._fail(request, error, events)  # request ends; the batch, the others and the server go on
 
     def _advance(self, request: Request, token: int, logits: torch.Tensor, events: list) -> None:
         if token in self.stop_ids:
@@ -178,23 +190,18 @@ class Scheduler:
         else:
             request.emit(events)
 
-    def _choose(self, logits: torch.Tensor) -> list:
-        """Each row's token, or the SamplingError that ends it: plain greedy rows all at once, the others with their
-        own parameters and generator."""
-        tokens, broken = greedy(logits)
-        chosen, broken = tokens.tolist(), broken.tolist()
-        for row, request in enumerate(self.active):
-            if not request.plain_greedy:
-                try:
-                    row_logits = logits[row:row + 1]
-                    if request.matcher is not None:
-                        row_logits = request.matcher.mask(row_logits)
-                    chosen[row] = int(sample(row_logits, request.params, request.generator, request.penalties))
-                except Exception as error:  # SamplingError, or a constraint that failed: this row ends
-                    chosen[row] = error
-            elif broken[row]:
-                chosen[row] = SamplingError(NAN_LOGITS)
-        return chosen
+    @staticmethod
+    def _choose(request: Request, logits: torch.Tensor, greedy_token: int, broken: bool) -> int:
+        """The request's token from `logits` (vocab,): a plain greedy row's is `greedy_token` (raising if its
+        logits were `broken`); the others are sampled with their own parameters and generator."""
+        if request.plain_greedy:
+            if broken:
+                raise SamplingError(NAN_LOGITS)
+            return greedy_token
+        row_logits = logits[None]
+        if request.matcher is not None:
+            row_logits = request.matcher.mask(row_logits)
+        return int(sample(row_logits, request.params, request.generator, request.penalties))
 
     def _fail(self, request: Request, error: Exception, events: list) -> None:
         message = f"{type(error).__name__}: {error}"
@@ -215,8 +222,8 @@ class Follower:
 
     def events(self, plan: Plan, extras: Sequence[Event]) -> list[Event]:
         events: list[Event] = []
-        for request, (token, code) in zip(self.active, plan.results):
-            if token != NO_TOKEN:
+        for request, (tokens, code) in zip(self.active, plan.results):
+            for token in tokens:
                 request.push(token)
             if code == FINISH_CODES["error"]:
                 request.finish_reason = "error"

@@ -3,7 +3,7 @@ plan (engine.py calls `share_plan` once a step; at one rank nothing is sent).
 
 Each step the ranks add up one small integer tensor of fixed size, the step header: the source rank's fields (the
 others add zeros) say the step's status, how many rows stay, whether rows move, and each row's token and finish
-code; one slot per rank holds that rank's place (which generation call, which step), so every rank checks that all
+code (with speculative decoding, up to `width` tokens a row); one slot per rank holds that rank's place (which generation call, which step), so every rank checks that all
 are at the same step (RanksDisagree if not, or if a rank does not come within the context's timeout_s). Only when
 the batch changes (a row leaves from the middle, prompts join) does a second message carry which rows stay and the
 new prompts' token ids; and only when the source rank has events the other ranks' Followers cannot write from the
@@ -21,18 +21,18 @@ from accessory.generation.scheduler import Plan
 from accessory.parallel.watchdog import announce_failure, await_verdict_on_silent_ranks
 
 RUN, DONE, FAILED = 0, 1, 2  # the status of a step, as sent
-# The header's first fields (the source rank's; the others add zeros): then each stepped row's token, each one's
-# finish code, and one slot per rank for its place.
+# The header's first fields (the source rank's; the others add zeros): then each stepped row's finish code, how many
+# tokens it kept, `width` slots for those tokens, and one slot per rank for its place.
 STATUS, KEPT, MOVES, EXTRAS, STEPPED, HEADER = range(6)
 
 
 def share_plan(ctx, plan: Optional[Plan], error: Optional[Exception], rows: int, extras: tuple, call: int,
-               step: int) -> tuple[Plan, tuple]:
+               step: int, width: int = 1) -> tuple[Plan, tuple]:
     """The source rank's plan and the events its followers cannot write themselves (`extras`), on every rank, once
     every rank is known to be at step `step` of generation call `call`. A source rank that failed (`error`) raises
-    its error there and a RuntimeError naming it on the others."""
-    place, places = call << 32 | step, HEADER + 2 * rows
-    header = _header(ctx, plan, error, rows, extras, place)
+    its error there and a RuntimeError naming it on the others. `width`: tokens a row may keep in one step."""
+    place, places = call << 32 | step, HEADER + (2 + width) * rows
+    header = _header(ctx, plan, error, rows, extras, place, width)
     values = _sum_in_step(ctx, header, place).tolist()
     _check_places(ctx, values[places:], place)
     if values[STATUS] == FAILED:
@@ -40,34 +40,36 @@ def share_plan(ctx, plan: Optional[Plan], error: Optional[Exception], rows: int,
         if error is not None:
             raise error
         raise RuntimeError(f"model-parallel source rank failed: {message}")
-    stepped = values[STEPPED]
-    results = tuple(zip(values[HEADER:HEADER + stepped], values[HEADER + rows:HEADER + rows + stepped]))
+    stepped, codes, counts, tokens = values[STEPPED], HEADER, HEADER + rows, HEADER + 2 * rows
+    results = tuple((tuple(values[tokens + row * width:tokens + row * width + values[counts + row]]),
+                     values[codes + row]) for row in range(stepped))
     keep, admit, score, images, admitted = tuple(range(values[KEPT])), (), (), (), ()
     if values[MOVES]:  # the batch changes: the second message
         keep, admit, score, images, admitted = ctx.broadcast_object(
             (plan.keep, plan.admit, plan.score, plan.images, plan.admitted) if ctx.is_source else None)
     if values[EXTRAS]:
         extras = ctx.broadcast_object(extras if ctx.is_source else None)
-    tokens = tuple(results[row][0] for row in keep)
-    return Plan(keep, tokens, admit, values[STATUS] == DONE, score, images, results, admitted), extras
+    next_tokens = tuple(results[row][0][-1] for row in keep)
+    return Plan(keep, next_tokens, admit, values[STATUS] == DONE, score, images, results, admitted), extras
 
 
-def _header(ctx, plan: Optional[Plan], error: Optional[Exception], rows: int, extras: tuple,
-            place: int) -> torch.Tensor:
+def _header(ctx, plan: Optional[Plan], error: Optional[Exception], rows: int, extras: tuple, place: int,
+            width: int) -> torch.Tensor:
     """This rank's share of the step header: the source rank's fields (zeros elsewhere), and its place."""
-    places = HEADER + 2 * rows
-    header = torch.zeros(places + ctx.world_size, dtype=torch.long, device=ctx.device)
+    places = HEADER + (2 + width) * rows
+    header = [0] * (places + ctx.world_size)
     if ctx.is_source:
         status = FAILED if error is not None else DONE if plan.done else RUN
         results = plan.results if plan is not None else ()
-        header[:HEADER] = torch.tensor([status, len(plan.keep) if plan else 0, int(bool(plan and plan.moves)),
-                                        int(bool(extras)), len(results)])
-        if results:
-            tokens, codes = zip(*results)
-            header[HEADER:HEADER + len(results)] = torch.tensor(tokens)
-            header[HEADER + rows:HEADER + rows + len(results)] = torch.tensor(codes)
+        header[:HEADER] = [status, len(plan.keep) if plan else 0, int(bool(plan and plan.moves)), int(bool(extras)),
+                           len(results)]
+        for row, (tokens, code) in enumerate(results):
+            header[HEADER + row] = code
+            header[HEADER + rows + row] = len(tokens)
+            start = HEADER + 2 * rows + row * width
+            header[start:start + len(tokens)] = tokens
     header[places + ctx.rank] = place
-    return header
+    return torch.tensor(header, dtype=torch.long, device=ctx.device)
 
 
 def _sum_in_step(ctx, header: torch.Tensor, place: int) -> torch.Tensor:

@@ -142,12 +142,14 @@ def _(x, weights, local, fmt, w13, w2, activation):
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                      mask: torch.Tensor) -> torch.Tensor:
-    """Attention of one new token per cache row: q (B, 1, H, D); keys and values the whole caches (rows, H_kv, S, D);
-    row b sees its columns 0..positions[b] (`mask` (B, 1, 1, C) says the same for the first C columns) ->
-    (B, H, 1, D). Query head h reads KV head h // (H / H_kv)."""
-    batch, _, heads, dim = q.shape
-    if keys.dtype == torch.float32 and _kernels_here(q.device):
-        out = torch.ops.accessory.decode_attention_cpu(q.reshape(batch, heads, dim).float(), keys, values, positions)
+    """Attention of L new tokens per cache row: q (B, L, H, D); keys and values the whole caches (rows, H_kv, S, D);
+    token l of row b sees its columns 0..positions[b, l] (`mask` (B, 1, L, C) says the same for the first C
+    columns) -> (B, H, L, D). Query head h reads KV head h // (H / H_kv). One token per row (decoding) has a
+    kernel of its own."""
+    batch, length, heads, dim = q.shape
+    if length == 1 and keys.dtype == torch.float32 and _kernels_here(q.device):
+        out = torch.ops.accessory.decode_attention_cpu(q.reshape(batch, heads, dim).float(), keys, values,
+                                                       positions[:, 0])
         return out.to(q.dtype).view(batch, heads, 1, dim)
     columns = mask.shape[-1]
     return F.scaled_dot_product_attention(q.transpose(1, 2), keys[:batch, :, :columns], values[:batch, :, :columns],

@@ -26,12 +26,12 @@ log = logging.getLogger(__name__)
 
 class MetaModel(nn.Module):
     def __init__(self, llma: nn.Module, tokenizer: Tokenizer, llama_type: str = "llama",
-                 engine_settings: EngineSettings = EngineSettings()):
+                 engine_settings: EngineSettings = EngineSettings(), draft: Optional[nn.Module] = None):
         super().__init__()
         self.llma, self.tokenizer, self.llama_type = llma, tokenizer, llama_type
         self.ctx: ParallelContext = llma.ctx
         # One stop-token set for every call: EOS, and the chat template's end-of-turn token if it has one.
-        self.engine = Engine(llma, tokenizer, engine_settings, tokenizer.chat_stop_ids)
+        self.engine = Engine(llma, tokenizer, engine_settings, tokenizer.chat_stop_ids, draft)
 
     @classmethod
     def from_pretrained(cls, pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optional[str] = None,
@@ -42,7 +42,8 @@ class MetaModel(nn.Module):
                         quant: Union[bool, None, str] = False, *, max_batch_size: int = 32,
                         compile: bool = False, prefix_cache: bool = True,
                         prefix_cache_bytes: int = EngineSettings.prefix_cache_bytes,
-                        rank_timeout: float = 60.0, warmup: bool = False) -> "MetaModel":
+                        rank_timeout: float = 60.0, warmup: bool = False,
+                        speculative_config: Optional[dict] = None) -> "MetaModel":
         """Load a checkpoint folder (or a list of folders, later ones overriding earlier ones) onto the
         model-parallel group `mp_group` (default: fairscale's model-parallel group if this process set one up, as
         LLaMA2-Accessory's scripts do with `initialize_model_parallel(n)`; else the torchrun world; else this
@@ -61,6 +62,12 @@ class MetaModel(nn.Module):
         reused, not recomputed) and `prefix_cache_bytes` (per rank, for finished sequences kept to be reused) are
         the engine's settings (`model.engine`).
 
+        `speculative_config`: speculative decoding, as vLLM configures it (the output is unchanged; a step may
+        add several tokens): {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N,
+        "prompt_lookup_min": M} proposes tokens found in the row's own prompt and output; {"model": PATH,
+        "num_speculative_tokens": K} a draft checkpoint's greedy tokens (same tokenizer, same ranks); {"model":
+        "self", "quant": "int4"} the checkpoint itself, loaded quantized, as its own draft. See docs/speculative.md.
+
         `warmup` (with `compile`): compile every graph the engine will run before returning (`warm_up`), so no
         later call waits on compilation.
 
@@ -74,15 +81,17 @@ class MetaModel(nn.Module):
         """
         loaded = load(pretrained_path, llama_type, llama_config, tokenizer_path, with_visual, max_seq_len, mp_group,
                       dtype, device, quant, max_batch_size=max_batch_size, compile=compile, prefix_cache=prefix_cache,
-                      prefix_cache_bytes=prefix_cache_bytes, rank_timeout=rank_timeout)
-        model = cls(loaded.llma, loaded.tokenizer, loaded.llama_type, loaded.settings)
+                      prefix_cache_bytes=prefix_cache_bytes, rank_timeout=rank_timeout,
+                      speculative_config=speculative_config)
+        model = cls(loaded.llma, loaded.tokenizer, loaded.llama_type, loaded.settings, loaded.draft)
         if warmup:
             model.warm_up()
         return model
 
     def warm_up(self) -> float:
         """With a compiled engine, compile every graph it runs (the decode step for one row, and for several rows
-        with symbolic sizes) by decoding a few tokens at 1 and 2 rows, so that no later request waits on
+        with symbolic sizes; with speculative decoding, the verify step and the draft's too) by decoding a few tokens
+        at 1 and 2 rows, so that no later request waits on
         compilation; the seconds it took (0 without compile). Collective: every rank calls it. A compilation that
         fails is a ConfigError that says to run without compile."""
         if not self.engine.settings.compile:
@@ -92,6 +101,8 @@ class MetaModel(nn.Module):
         try:
             for batch in (["Hello"], ["Hello", "Hello there"]):
                 self.generate(batch, max_gen_len=3)
+            if self.engine.settings.speculative is not None:
+                self.engine.compile_verify()
         except AccessoryError:
             raise
         except Exception as e:

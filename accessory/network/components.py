@@ -335,12 +335,13 @@ class Attention(nn.Module):
 
     def decode(self, x: torch.Tensor, rotations: torch.Tensor, positions: torch.Tensor,
                mask: torch.Tensor) -> torch.Tensor:
-        """One token per cache row 0..B-1, x (B, 1, dim), at `positions` (B,); `mask` (B, 1, 1, C) says which of
-        the first C cache columns each row sees (on a ring: which of its columns hold positions already written)."""
-        batch = x.shape[0]
+        """L new tokens per cache row 0..B-1, x (B, L, dim), at `positions` (B, L) (L is 1 but when verifying
+        speculative proposals); `mask` (B, 1, L, C) says which of the first C cache columns each token sees (on a
+        ring, where L is 1: which of its columns hold positions already written)."""
+        batch, length = positions.shape
         q, k, v = self._qkv(x, rotations)
-        rows = torch.arange(batch, device=x.device)
-        self.cache.write(rows, positions, k[:, 0], v[:, 0])
+        rows = torch.arange(batch, device=x.device)[:, None].expand(batch, length)
+        self.cache.write(rows.reshape(-1), positions.reshape(-1), k.flatten(0, 1), v.flatten(0, 1))
         if self.cache.ring:  # every column holds one of the last `columns` positions, once written
             positions = positions.clamp(max=self.cache.columns - 1)
         attended = decode_attention(q, self.cache.k, self.cache.v, positions, mask)
@@ -348,8 +349,10 @@ class Attention(nn.Module):
 
 
 def decode_mask(positions: torch.Tensor, columns: int) -> torch.Tensor:
-    """(B, 1, 1, columns) bool: True where a row at `positions` (B,) may attend, i.e. columns up to its own."""
-    return (torch.arange(columns, device=positions.device) <= positions[:, None])[:, None, None, :]
+    """(B, 1, L, columns) bool: True where a token at `positions` (B, L), or (B,) for L = 1, may attend, i.e. its
+    row's columns up to its own position."""
+    visible = torch.arange(columns, device=positions.device) <= positions[..., None]  # (B, [L,] columns)
+    return visible.view(positions.shape[0], 1, -1, columns)
 
 
 class FeedForward(nn.Module):

@@ -16,6 +16,7 @@ from accessory.checkpoint.direct import imported
 from accessory.checkpoint.load import load_weights
 from accessory.errors import ConfigError, TokenizerError
 from accessory.generation.engine import EngineSettings
+from accessory.generation.speculative import SpeculativeConfig
 from accessory.kernels import cpu_kernels
 from accessory.network.LLM import model_classes
 from accessory.network.memory import back_with_huge_pages, check_fits, return_freed_memory
@@ -34,11 +35,12 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 @dataclass
 class Loaded:
     """What `load` gives MetaModel: the network (eval mode, its slice on this rank), the tokenizer, the llama_type
-    and the engine's settings."""
+    and the engine's settings; and speculative decoding's draft network, if it has one."""
     llma: nn.Module
     tokenizer: Tokenizer
     llama_type: str
     settings: EngineSettings
+    draft: Optional[nn.Module] = None
 
 
 def load(pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optional[str] = None,
@@ -47,12 +49,14 @@ def load(pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optio
          dtype: Union[None, str, torch.dtype] = None, device: Union[None, str, torch.device] = None,
          quant: Union[bool, None, str] = False, *, max_batch_size: int = 32, compile: bool = False,
          prefix_cache: bool = True, prefix_cache_bytes: int = EngineSettings.prefix_cache_bytes,
-         rank_timeout: float = 60.0) -> Loaded:
+         rank_timeout: float = 60.0, speculative_config: Optional[dict] = None) -> Loaded:
     """`MetaModel.from_pretrained` without the warm-up (its docstring says what each argument means)."""
     folders = [imported(Path(p)) for p in ([pretrained_path] if isinstance(pretrained_path, (str, Path))
                                            else pretrained_path)]
+    speculative = SpeculativeConfig.from_dict(speculative_config)
     settings = EngineSettings(max_batch_size=max_batch_size, compile=compile,  # checked before loading
-                              prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes)
+                              prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes,
+                              speculative=speculative)
     if mp_group is None:
         init_distributed()  # a script started by torchrun needs no set-up of its own
         mp_group = fairscale_model_parallel_group()
@@ -67,11 +71,32 @@ def load(pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optio
 
     spec = read_spec(folders, llama_type, [str(p) for p in llama_config or ()])
     tokenizer = Tokenizer.from_path(tokenizer_path or found_tokenizer(folders))
-    model_args, transformer = model_classes(spec.llama_type)
+    _, transformer = model_classes(spec.llama_type)
     if with_visual and not hasattr(transformer, "image_features"):
         raise ConfigError(f"with_visual=True, but {folders[-1]} holds a text model (llama_type "
                           f"{spec.llama_type!r}); vision-language checkpoints are llama_type 'llava' (import an "
                           f"HF LLaVA folder with `accessory convert hf`)")
+    draft_folders = None
+    if speculative is not None and speculative.model is not None:
+        draft_folders = folders if speculative.model == "self" else [imported(Path(speculative.model))]
+    llma = load_network(folders, spec, tokenizer, ctx, max_seq_len, dtype, device, quant)
+    draft = None
+    if draft_folders is not None:
+        draft_spec = spec if draft_folders is folders else read_spec(draft_folders, None, [])
+        check_draft_tokenizer(tokenizer, draft_folders, tokenizer_path if draft_folders is folders else None)
+        draft = load_network(draft_folders, draft_spec, tokenizer, ctx, max_seq_len, dtype, device,
+                             speculative.quant)
+        if hasattr(llma, "image_features") and not hasattr(draft, "image_features"):
+            raise ConfigError(f"speculative_config model {speculative.model!r} reads text only; the target "
+                              f"{folders[-1]} reads images: its draft must too")
+    return Loaded(llma, tokenizer, spec.llama_type, settings, draft)
+
+
+def load_network(folders: list[Path], spec: CheckpointSpec, tokenizer: Tokenizer, ctx: ParallelContext,
+                 max_seq_len: int, dtype: torch.dtype, device: torch.device, quant) -> nn.Module:
+    """The network of `folders` (read as `spec`), built on the meta device, quantized as `quant` says, with this
+    rank's slice of every weight, in eval mode."""
+    model_args, transformer = model_classes(spec.llama_type)
     config = resolved_config({**spec.config, "max_seq_len": max_seq_len}, tokenizer, str(folders[-1]))
     args = model_args.from_dict(config, source=f"config of {folders[-1]}")
     if tokenizer.n_words > args.vocab_size:
@@ -81,9 +106,13 @@ def load(pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optio
 
     with torch.device("meta"):
         llma = transformer(args, ctx)
-    formats = quantized_formats(llma, spec, quant, folders[-1])
-    if formats:
-        llma.quantize_(formats)
+    formats, error = quantized_formats(llma, spec, quant, folders[-1]), None
+    try:
+        if formats:
+            llma.quantize_(formats)
+    except ConfigError as e:  # a rank whose slice does not fall on whole blocks: the others must hear of it too
+        error = e
+    ctx.raise_if_any_failed(error)
     check_fits(llma, dtype, device, f"config of {folders[-1]}")  # before any memory is allocated
     if device.type == "cpu":
         cpu_kernels()  # built once per machine (seconds), before anything is compiled
@@ -99,7 +128,19 @@ def load(pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optio
         log.debug("%d MiB of weights on huge pages", back_with_huge_pages(llma) >> 20)
     log.info("loaded %s (%s%s) at %d model-parallel rank(s), %s on %s", folders[-1], spec.llama_type,
              f", {describe(formats)}" if formats else "", ctx.world_size, dtype, device)
-    return Loaded(llma.eval(), tokenizer, spec.llama_type, settings)
+    return llma.eval()
+
+
+def check_draft_tokenizer(tokenizer: Tokenizer, folders: list[Path], path: Optional[PathLike]) -> None:
+    """A draft model must read and write the same token ids as its target: the same vocabulary, the same ids for
+    the same text and the same special tokens."""
+    draft = Tokenizer.from_path(path or found_tokenizer(folders))
+    probe = "Speculative decoding: the draft's tokens are the target's. 12345 éà 漢字"
+    if (draft.n_words, draft.encode(probe, bos=True, eos=True)) != (tokenizer.n_words,
+                                                                   tokenizer.encode(probe, bos=True, eos=True)):
+        raise ConfigError(f"speculative_config model {folders[-1]}: its tokenizer is not the target's (vocabulary "
+                          f"{draft.n_words} vs {tokenizer.n_words}, or other ids for the same text); a draft model "
+                          f"must share its target's tokenizer")
 
 
 QUANT_NAMES = {True: "int8", "int8": "int8", "int4": "int4"}

@@ -42,8 +42,8 @@ class Timing:
 
 class Metrics:
     def __init__(self, running: Callable[[], int], waiting: Callable[[], int], cache_usage: Callable[[], float],
-                 prefill_stats):
-        """`prefill_stats`: the engine's PrefillStats, read when scraped."""
+                 engine_stats):
+        """`engine_stats`: the engine's EngineStats, read when scraped."""
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # the serve extra
         from prometheus_client.core import CounterMetricFamily
 
@@ -70,16 +70,20 @@ class Metrics:
                  cache_usage)):
             Gauge(name, doc, registry=self.registry).set_function(read)
 
-        class PrefillCounters:  # the engine counts these itself; a scrape reads them
+        class EngineCounters:  # the engine counts these itself; a scrape reads them
             def collect(self):
                 for name, doc, value in (
                         ("accessory_prefill_computed_tokens", "Prompt tokens computed by prefill",
-                         prefill_stats.prefilled_tokens),
+                         engine_stats.prefilled_tokens),
                         ("accessory_prefix_cache_hit_tokens", "Prompt tokens copied from the KV cache instead "
-                         "(prefix caching)", prefill_stats.reused_tokens)):
+                         "(prefix caching)", engine_stats.reused_tokens),
+                        ("accessory_spec_decode_num_draft_tokens", "Tokens proposed by speculative decoding",
+                         engine_stats.proposed_tokens),
+                        ("accessory_spec_decode_num_accepted_tokens", "Proposed tokens that were accepted",
+                         engine_stats.accepted_tokens)):
                     yield CounterMetricFamily(name, doc, value=value)
 
-        self.registry.register(PrefillCounters())
+        self.registry.register(EngineCounters())
 
     def progress(self, timing: Timing, sample_id, generated: int, now: float) -> None:
         """Sample `sample_id` has generated `generated` tokens by `now` (an event may bring several)."""
@@ -104,7 +108,10 @@ class Metrics:
         queued = (timing.admitted or now) - timing.submitted
         self.queue_time.observe(queued)
         first = f"{timing.first_token - timing.submitted:.3f} s" if timing.first_token is not None else "-"
-        log.info("request %s: %s, %d prompt + %d output tokens%s, queued %.3f s, first token %s, total %.3f s%s",
+        proposed = sum(r.proposed_tokens for r in timing.rows)
+        accepted = sum(r.accepted_tokens for r in timing.rows)
+        log.info("request %s: %s, %d prompt + %d output tokens%s%s, queued %.3f s, first token %s, total %.3f s%s",
                  timing.label, finish_reason, timing.prompt_tokens, timing.tokens,
-                 f" ({len(timing.rows)} samples)" if len(timing.rows) > 1 else "", queued, first, now - timing.submitted,
-                 f", user {timing.user!r}" if timing.user else "")
+                 f" ({len(timing.rows)} samples)" if len(timing.rows) > 1 else "",
+                 f", {accepted} of {proposed} proposed tokens accepted" if proposed else "", queued, first,
+                 now - timing.submitted, f", user {timing.user!r}" if timing.user else "")

@@ -524,12 +524,30 @@ class Transformer(nn.Module):
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """One token per cache row 0..B-1: tokens and positions (B,), mask (B, 1, 1, C) from `decode_mask`. This
         rank's logits (B, local vocab). Static shapes, no host sync: the engine may compile it."""
-        h = self._scaled(self.tok_embeddings(tokens[:, None], self.dtype))  # (B, 1, dim)
+        return self._decode_rows(tokens[:, None], positions[:, None], mask)[:, 0]
+
+    def verify(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """L tokens per cache row 0..B-1 (speculative decoding: a row's next token and the proposals after it), each
+        written to the cache at its position and attending to the row's columns up to it: tokens and positions
+        (B, L), mask (B, 1, L, C) from `decode_mask`. This rank's logits (B, L, local vocab). Static shapes, no host
+        sync. Not on sliding-window layers: a rejected proposal would overwrite a ring column still in the window."""
+        if self.has_rings:
+            raise ValueError("verify needs every layer's KV cache full-width; this model has sliding-window rings")
+        return self._decode_rows(tokens, positions, mask)
+
+    @property
+    def has_rings(self) -> bool:
+        """Whether some layers keep only a sliding window of positions (a ring) in the KV cache."""
+        return any(layer.attention.cache is not None and layer.attention.cache.ring for layer in self.layers)
+
+    def _decode_rows(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """tokens and positions (B, L), mask (B, 1, L, C) -> this rank's logits (B, L, local vocab)."""
+        h = self._scaled(self.tok_embeddings(tokens, self.dtype))  # (B, L, dim)
         masks = {None: mask}
         for layer, window in zip(self.layers, self.windows):  # a ring's written columns: (B, 1, 1, its columns)
             if window is not None and window not in masks:
                 cache = layer.attention.cache
-                masks[window] = decode_mask(positions, cache.columns) if cache.ring else mask
+                masks[window] = decode_mask(positions[:, -1], cache.columns) if cache.ring else mask
         for layer, window, rotations in zip(self.layers, self.windows, self._rotations(positions)):
-            h = layer.decode(h, rotations[:, None], positions, masks[window])  # rotations (B, 1, D/2, 2)
-        return self._logits(h[:, 0])
+            h = layer.decode(h, rotations, positions, masks[window])  # rotations (B, L, D/2, 2)
+        return self._logits(h)

@@ -1,8 +1,8 @@
 """Speculative decoding against plain decoding on the same engine and weights, and llama.cpp's prompt lookup.
 
-The built-in SmolLM2-135M-Instruct answers two kinds of chat prompt at batch 1, greedily, up to `--new-tokens`
-tokens (EOS ends an answer, as a user would see it): copy-or-edit tasks (repeat, correct or rename a given text: the
-answer is mostly in the prompt) and ordinary questions (it is not). Forms, each run on one loaded model:
+The built-in SmolLM2-135M-Instruct answers two kinds of prompt at batch 1, greedily, up to `--new-tokens` tokens
+(EOS ends an answer, as a user would see it): copy-or-edit tasks (repeat a text or a list, rename a variable in
+code, continue a paragraph's copy: the answer is mostly in the prompt) and ordinary chat questions (it is not). Forms, each run on one loaded model:
 
 - `ngram`: the GGUF's own Q4_1 bits (`ours:int4`), compiled unless `--eager`, plain against
   `{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 2}`;
@@ -28,14 +28,17 @@ from dataclasses import replace
 
 import torch
 
+PARAGRAPH = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+             "movable metal type, oil-based ink and a wooden press adapted from those used to make wine. Within fifty "
+             "years, presses in more than two hundred cities had printed millions of books.")
+CODE = ("def total(items):\n    x = 0\n    for item in items:\n        x = x + item.price * item.quantity\n"
+        "    return x\n\n\ndef average(items):\n    x = total(items)\n    return x / len(items)\n")
+# Chat prompts but the last, a plain completion: the answer is mostly in the prompt.
 COPY_PROMPTS = [
-    "Repeat this text exactly:\nThe history of the printing press begins in the fifteenth century, when Johannes "
-    "Gutenberg combined movable metal type, oil-based ink and a wooden press adapted from those used to make wine. "
-    "Within fifty years, presses in more than two hundred cities had printed millions of books.",
-    "Correct the spelling mistakes in this text and write it out again:\nThe comittee met on Tuesday to discus the "
-    "new budjet. After a long debate about road repairs and school funding, they agreed to meet again next week.",
-    "Rewrite this Python function with the variable `x` renamed to `count`:\ndef total(items):\n    x = 0\n    for "
-    "item in items:\n        x = x + item.price * item.quantity\n    return x\n",
+    "Repeat this text exactly:\n" + PARAGRAPH,
+    "Copy this list exactly:\n1. apples\n2. bread\n3. milk\n4. eggs\n5. butter\n6. cheese\n7. tomatoes\n8. rice",
+    "Rename the variable `x` to `count` in this code and write it out in full:\n```python\n" + CODE + "```",
+    PARAGRAPH + "\n\nThe same paragraph, copied word for word:\n\nThe history",
 ]
 CHAT_PROMPTS = [
     "What is the capital of France? Tell me about it.",
@@ -57,10 +60,16 @@ def main() -> None:
     for form in args.forms:
         plain, fast, config = models(form, args)
         for kind, prompts in (("copy/edit", COPY_PROMPTS), ("chat", CHAT_PROMPTS)):
-            chats = [plain.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-            report(form, kind, config, plain, fast, chats, args)
+            report(form, kind, config, plain, fast, [as_chat(plain.tokenizer, p) for p in prompts], args)
         if form == "ngram":
             llama_cpp_rows(plain, args)
+
+
+def as_chat(tokenizer, prompt: str) -> str:
+    """The prompt as the user's chat turn, but the plain completion (which starts with the paragraph)."""
+    if prompt.startswith(PARAGRAPH):
+        return prompt
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
 
 
 def models(form: str, args):
@@ -125,8 +134,7 @@ def llama_cpp_rows(plain, args) -> None:
     for kind, prompts in (("copy/edit", COPY_PROMPTS), ("chat", CHAT_PROMPTS)):
         totals, counts = {"plain": 0.0, "lookup": 0.0}, set()
         for prompt in prompts:
-            ids = plain.tokenizer.encode(plain.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]),
-                                         bos=True, eos=False)
+            ids = plain.tokenizer.encode(as_chat(plain.tokenizer, prompt), bos=True, eos=False)
             for name, llm in engines.items():
                 seconds, n = llama_cpp_time(llm, ids, args)
                 totals[name] += seconds

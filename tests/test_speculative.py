@@ -317,3 +317,22 @@ def test_compiled_speculation_gives_eager_tokens_and_compiles_nothing_after_warm
         assert greedy_ids(compiled, prompts, 20, stats=stats) == greedy_ids(eager, prompts, 20)
     assert counters["stats"]["unique_graphs"] == warmed
     assert sum(s.accepted_tokens for s in stats) > 0
+
+
+def test_the_command_line_flag_speculates_and_answers_as_plain_decoding(smol, smollm2_checkpoint):
+    import subprocess
+    import sys
+
+    prompt = "Repeat this text exactly:\n" + TEXT
+    result = subprocess.run([sys.executable, "-m", "accessory", "generate", "--pretrained_path",
+                             str(smollm2_checkpoint), "--chat", "--prompt", prompt, "--max_gen_len", "40",
+                             "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 5}'],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    plain = smol["plain"]
+    expected = plain.generate([plain.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])],
+                              max_gen_len=40)[0]
+    assert expected.strip() and expected.strip() in result.stdout
+    bad = subprocess.run([sys.executable, "-m", "accessory", "generate", "--prompt", "x", "--speculative-config",
+                          '{"method": "ngram", "num_speculative_tokens": 0}'], capture_output=True, text=True)
+    assert bad.returncode == 2 and "num_speculative_tokens must be an integer >= 1, got 0" in bad.stderr

@@ -26,7 +26,7 @@ import torch
 
 from accessory.errors import ConfigError, RanksDisagree
 from accessory.generation.draft import DraftProposer
-from accessory.generation.model_runner import ModelRunner, compiled
+from accessory.generation.model_runner import MIN_COLUMNS, ModelRunner, compiled
 from accessory.generation.requests import Event, Request
 from accessory.generation.scheduler import Follower, Plan, Scheduler
 from accessory.generation.speculative import NgramProposer, SpeculativeConfig
@@ -83,7 +83,8 @@ class Engine:
                               "one (g++), or run without --compile")
         self.decode_step = compiled(model.decode, model.device) if settings.compile else model.decode
         # several tokens per row (speculative decoding; a draft catching up), compiled lazily: at its first call
-        self.verify_step = compiled(model.verify, model.device) if settings.compile else model.verify
+        self.verify_step = compiled(model.verify, model.device, size_guards=True) if settings.compile \
+            else model.verify
         # The ids it samples from: the model's rows the tokenizer can write. LLaVA pads its table past the
         # tokenizer's (32064 rows, 32002 tokens), and an id the tokenizer cannot decode would end the request.
         self.vocab_size = min(model.args.vocab_size, tokenizer.n_words)
@@ -117,14 +118,17 @@ class Engine:
 
     @torch.inference_mode()
     def compile_verify(self) -> None:
-        """Compile the verify step (speculative decoding), the draft's too, for one row and for several (symbolic
-        sizes): feed a throwaway run's rows a few tokens each, so that no request waits on its compilation."""
+        """Compile the verify step (speculative decoding), the draft's too, for one row and for several, at two
+        attention widths (symbolic sizes): feed a throwaway run's rows a few tokens each, so that no request waits on
+        its compilation."""
+        past = min(MIN_COLUMNS + 8, self.max_seq_len - 8)  # past the narrowest width, if the model reaches it
         for engine in (self, self.draft) if self.draft is not None else (self,):
             for rows in (1, 2):
-                runner = ModelRunner(engine, rows, 16, keep_finished=False)
-                runner.prefill(((1, 2),) * rows, (None,) * rows)
-                runner.feed([(3, 4, 5)] * rows)
-                runner.feed([(6, 7)] * rows)
+                for length in (2, past):
+                    runner = ModelRunner(engine, rows, length + 8, keep_finished=False)
+                    runner.prefill(((1,) * length,) * rows, (None,) * rows)
+                    runner.feed([(3, 4, 5)] * rows)
+                    runner.feed([(6, 7)] * rows)
 
     def configured(self, **changes) -> "Engine":
         """An engine for the same model with some settings changed."""

@@ -257,7 +257,7 @@ class ModelRunner:
         return self.model.prefill(tokens, segments, [image for *_, image in parts])
 
 
-def compiled(decode, device: torch.device):
+def compiled(decode, device: torch.device, size_guards: bool = False):
     """`decode` under torch.compile, as one graph with symbolic sizes (rows and columns vary as requests come and
     go; a size of 1 gets its own graph), captured as CUDA graphs on CUDA (one per shape the buckets allow). On the
     CPU, inductor's wrapper that calls the graph's kernels is C++ (`cpp_wrapper`), not Python: with about 150 calls
@@ -269,8 +269,12 @@ def compiled(decode, device: torch.device):
 
     Sizes: the rows decoded and the KV cache's rows are independent, though often equal when a graph is traced;
     without duck shapes they get symbols of their own (else the graph took them for one size, and a later call where
-    they differ failed its size checks: guards on sizes are among those dropped)."""
-    options = {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}
+    they differ failed its size checks: guards on sizes are among those dropped).
+
+    `size_guards`: keep every guard, for a step whose graph may specialize a size (the verify step's slots and
+    attention width did): a call whose sizes the graph cannot take compiles another instead of failing its size
+    checks, for about 1 ms more per call."""
+    options = {} if size_guards else {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}
     if device.type == "cuda":
         options["triton.cudagraphs"] = True
     else:

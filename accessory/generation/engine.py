@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 from typing import Collection, Iterator, Optional
 
 from accessory.errors import ConfigError, RanksDisagree
-from accessory.generation.model_runner import ModelRunner, compiled
+from accessory.generation.model_runner import ModelRunner
+from accessory.generation.packaged_decode import compiled_decode
 from accessory.generation.requests import Event, Request
 from accessory.generation.scheduler import Follower, Plan, Scheduler
 from accessory.generation.wire import share_plan
@@ -67,7 +68,7 @@ class Engine:
         if settings.compile and model.device.type == "cpu" and not shutil.which(os.environ.get("CXX", "c++")):
             raise ConfigError("compile=True on the CPU needs a C++ compiler (torch's inductor writes C++): install "
                               "one (g++), or run without --compile")
-        self.decode_step = compiled(model.decode, model.device) if settings.compile else model.decode
+        self.decode_step = compiled_decode(model) if settings.compile else model.decode
         # The ids it samples from: the model's rows the tokenizer can write. LLaVA pads its table past the
         # tokenizer's (32064 rows, 32002 tokens), and an id the tokenizer cannot decode would end the request.
         self.vocab_size = min(model.args.vocab_size, tokenizer.n_words)

@@ -23,10 +23,11 @@ from typing import Callable, Optional
 import torch
 
 from accessory.cache_dir import cache_dir, cache_folder, untrusted
+from accessory.errors import ConfigError
 from accessory.generation import decode_export
-from accessory.generation.model_runner import compiled
+from accessory.generation.model_runner import MIN_COLUMNS, compiled
 from accessory.generation.package_key import model_key, package_key
-from accessory.network.components import MoEFeedForward
+from accessory.network.components import MoEFeedForward, decode_mask
 
 log = logging.getLogger(__name__)
 PACKAGE_NAME = re.compile(r"rows-(\d+)-(\d+|up)\.pt2")
@@ -42,12 +43,13 @@ def compiled_decode(model) -> Callable:
 
 class PackagedDecode:
     """step(tokens, positions, mask) -> logits, as `Transformer.decode`, from the package covering the call's rows.
-    `built` and `loaded` count the packages this process compiled and loaded."""
+    `builds` and `loads` count the packages this process compiled and loaded."""
 
     def __init__(self, model):
         self.model = model
-        self.built = self.loaded = 0
+        self.builds = self.loads = 0
         self.fallback: Optional[Callable] = None
+        self.reason = ""  # why the fallback runs
         self.model_key = None
         self.steps: dict[str, list[tuple[int, Optional[int], Callable]]] = {}  # key -> (fewest, most, step)
         reason = why_not_packaged(model)
@@ -64,6 +66,7 @@ class PackagedDecode:
         return self.fallback(tokens, positions, mask)
 
     def use_fallback(self, reason: str, level: int = logging.WARNING) -> None:
+        self.reason = reason
         log.log(level, "the decode step is compiled with torch.compile, not packaged: %s", reason)
         self.fallback = compiled(self.model.decode, self.model.device)
 
@@ -73,13 +76,35 @@ class PackagedDecode:
         rings = tuple(cache.ring for cache in decode_export.layer_caches(self.model))
         return package_key(self.model_key, rings)
 
+    def prepare(self, most_rows: int) -> list[Path]:
+        """Compile (or find) the packages covering 1..most_rows rows ahead of time (`accessory compile`), at the
+        narrowest KV-cache width; their paths. A ConfigError if this model's step cannot be packaged."""
+        if self.fallback is not None:
+            raise ConfigError(f"the decode step cannot be packaged: {self.reason}")
+        columns = min(MIN_COLUMNS, self.model.args.max_seq_len)
+        self.model.setup_caches(max(most_rows, 2), columns)
+        try:
+            rows, paths = 1, []
+            while rows <= most_rows:
+                positions = torch.zeros(rows, dtype=torch.long, device=self.model.device)
+                with torch.inference_mode():
+                    self(positions, positions, decode_mask(positions, columns))  # token 0 at position 0
+                if self.fallback is not None:
+                    raise ConfigError(f"the decode step cannot be packaged: {self.reason}")
+                fewest, most, _ = self.loaded_step(self.key, rows)
+                paths.append(cache_dir() / "compiled" / self.key / package_name(fewest, most))
+                rows = most_rows + 1 if most is None else most + 1
+        finally:
+            self.model.free_caches()
+        return paths
+
     def step_for(self, tokens, positions, mask) -> Optional[Callable]:
         """The loaded step covering tokens' rows: already loaded, loaded from the cache, or compiled now; None if
         packaging failed (the fallback is then set)."""
         key, rows = self.key, tokens.shape[0]
-        for fewest, most, step in self.steps.get(key, []):
-            if fewest <= rows and (most is None or rows <= most):
-                return step
+        loaded = self.loaded_step(key, rows)
+        if loaded is not None:
+            return loaded[2]
         try:
             folder = cache_folder("compiled", key)
             doubt = untrusted(folder, cache_dir() / "compiled")
@@ -96,7 +121,7 @@ class PackagedDecode:
         load is reported and removed (then compiled again)."""
         for path in sorted(folder.glob("rows-*.pt2")):
             fewest, most = package_rows(path)
-            if fewest is None or rows < fewest or (most is not None and rows > most):
+            if fewest is None or not covers(fewest, most, rows):
                 continue
             doubt = untrusted(path, cache_dir() / "compiled")
             if doubt is not None:
@@ -110,7 +135,7 @@ class PackagedDecode:
                             type(e).__name__, str(e)[:300])
                 path.unlink(missing_ok=True)
                 return None
-            self.loaded += 1
+            self.loads += 1
             log.info("loaded the compiled decode step for rows %s from %s", _rows_text(fewest, most), path)
             return self.keep(folder.name, fewest, most, step)
         return None
@@ -121,7 +146,7 @@ class PackagedDecode:
         try:
             program = decode_export.export_decode(self.model, tokens, positions, mask)
             fewest, most = decode_export.rows_range(program)
-            target = folder / f"rows-{fewest}-{'up' if most is None else most}.pt2"
+            target = folder / package_name(fewest, most)
             with tempfile.TemporaryDirectory(dir=folder) as work:
                 package = decode_export.compile_package(program, Path(work) / target.name)
                 package.chmod(0o600)  # writable by no one else whatever the umask, or no process would load it
@@ -130,10 +155,14 @@ class PackagedDecode:
         except Exception as e:  # export and inductor raise many kinds; torch.compile may still do it
             self.use_fallback(f"packaging it failed ({type(e).__name__}: {str(e)[:300]})")
             return None
-        self.built += 1
+        self.builds += 1
         log.info("compiled the decode step for rows %s into %s in %.1f s (key %s)", _rows_text(fewest, most),
                  target, time.perf_counter() - start, folder.name)
         return self.keep(folder.name, fewest, most, step)
+
+    def loaded_step(self, key: str, rows: int) -> Optional[tuple[int, Optional[int], Callable]]:
+        """(fewest, most, step) of the loaded package of `key` covering `rows`, or None."""
+        return next((entry for entry in self.steps.get(key, []) if covers(entry[0], entry[1], rows)), None)
 
     def keep(self, key: str, fewest: int, most: Optional[int], step: Callable) -> Callable:
         self.steps.setdefault(key, []).append((fewest, most, step))
@@ -157,6 +186,14 @@ def package_rows(path: Path) -> tuple[Optional[int], Optional[int]]:
     if match is None:
         return None, None
     return int(match[1]), None if match[2] == "up" else int(match[2])
+
+
+def covers(fewest: int, most: Optional[int], rows: int) -> bool:
+    return fewest <= rows and (most is None or rows <= most)
+
+
+def package_name(fewest: int, most: Optional[int]) -> str:
+    return f"rows-{fewest}-{'up' if most is None else most}.pt2"
 
 
 def _rows_text(fewest: int, most: Optional[int]) -> str:

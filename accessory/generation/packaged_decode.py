@@ -113,8 +113,7 @@ class PackagedDecode:
         if doubt is not None:
             self.use_fallback(f"packages are code, and {doubt}")
             return None
-        step = self.load_cached(folder, rows) or self.build(folder, tokens, positions, mask)
-        return step
+        return self.load_cached(folder, rows) or self.build(folder, tokens, positions, mask)
 
     def load_cached(self, folder: Path, rows: int) -> Optional[Callable]:
         """The step from a package in `folder` covering `rows`, if one is there and loads; a package that does not

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from tiny import greedy_ids
+from tiny import CompiledSteps, greedy_ids
 
 PROMPTS = ["Hi", "The quick brown fox", "Tensor parallel inference is a way to", "Once upon a time there was",
            "Hello there"]
@@ -31,26 +31,25 @@ def joining_and_leaving(model, compile: bool) -> list[list[int]]:
 
 
 def compiled_against_eager(folder) -> tuple:
-    """(eager tokens, compiled tokens, graphs compiled) on this rank."""
-    from torch._dynamo.utils import counters
-
+    """(eager tokens, compiled tokens, graphs or packages compiled, ...) on this rank."""
     from accessory.model.meta import MetaModel
 
     torch._dynamo.reset()
     model = MetaModel.from_pretrained(folder, max_seq_len=128)
     eager = joining_and_leaving(model, compile=False)
-    before = counters["stats"]["unique_graphs"]
-    compiled = joining_and_leaving(model, compile=True)
-    compiled_again = greedy_ids(model, [model.tokenizer.encode(PROMPTS[2], True, False)], 40,
-                                engine=model.engine.configured(compile=True))  # another cache size
-    return eager, compiled, counters["stats"]["unique_graphs"] - before, compiled_again, \
+    with CompiledSteps() as made:
+        compiled = joining_and_leaving(model, compile=True)
+        compiled_again = greedy_ids(model, [model.tokenizer.encode(PROMPTS[2], True, False)], 40,
+                                    engine=model.engine.configured(compile=True))  # another cache size
+    return eager, compiled, made.count, compiled_again, \
         greedy_ids(model, [model.tokenizer.encode(PROMPTS[2], True, False)], 40)
 
 
 @pytest.mark.parametrize("world", [1, 3])
 def test_compiled_decode_gives_the_eager_tokens_and_compiles_at_most_twice(tiny_checkpoints, world):
     """Rows join and leave at many steps (batch of 1 and 2, several attention widths, two cache sizes); the step
-    is one graph with symbolic sizes, plus one for a batch of 1 (torch specializes size 1)."""
+    is one graph with symbolic sizes, plus one for a batch of 1 (torch specializes size 1): at one rank on the CPU,
+    AOTInductor packages (packaged_decode.py), at 3 ranks torch.compile's graphs."""
     folder = tiny_checkpoints["mha", 3]
     results = [compiled_against_eager(folder)] if world == 1 else run_ranks(world, compiled_against_eager, folder)
     for rank, result in enumerate(results):

@@ -1,6 +1,7 @@
 """Small random LLaMA configs whose weights give clear greedy choices (so token equality is a real check)."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -78,6 +79,47 @@ class StepRows:
     def __exit__(self, *exc) -> None:
         self.engine.decode_step = self.decode
         del self.engine.model.prefill  # the instance attribute: the class's method again
+
+
+class CompiledSteps(logging.Handler):
+    """What compiling the decode step makes within it, in this process: torch.compile's graphs (dynamo's count of
+    unique graphs) plus the AOTInductor packages the CPU engine compiles or loads (packaged_decode.py logs each,
+    its path the second argument; a package loaded again counts once). `count` is their sum."""
+
+    LOGGER = "accessory.generation.packaged_decode"
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.packages: set[str] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith(("compiled the decode step for rows", "loaded the compiled decode step")):
+            self.packages.add(str(record.args[1]))
+
+    @staticmethod
+    def graphs() -> int:
+        from torch._dynamo.utils import counters
+
+        return counters["stats"]["unique_graphs"]
+
+    def __enter__(self) -> "CompiledSteps":
+        self.graphs_before = self.graphs()
+        logger = logging.getLogger(self.LOGGER)
+        self.level = logger.level
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logger = logging.getLogger(self.LOGGER)
+        logger.removeHandler(self)
+        logger.setLevel(self.level)
+        self.graphs_made = self.graphs() - self.graphs_before
+
+    @property
+    def count(self) -> int:
+        graphs = self.graphs_made if hasattr(self, "graphs_made") else self.graphs() - self.graphs_before
+        return graphs + len(self.packages)
 
 
 def build_tiny_llava(folder, tokenizer, tower: str = "clip"):

@@ -4,6 +4,7 @@
     accessory chat [--pretrained_path DIR ...] [--template NAME] [--system TEXT] ...
     accessory serve [--pretrained_path DIR ...] [--host H] [--port P] [--api-key KEY] ...   (OpenAI-compatible)
     accessory batch --input IN.jsonl --output OUT.jsonl [--mp N] [--batch_size N] ...   (dp x mp under torchrun)
+    accessory compile [--pretrained_path DIR ...] [--quant int4] ...   (the CPU decode step, once for later --compile)
     accessory convert {accessory,meta,hf,gguf,dcp} SRC DST [--to {accessory,hf}] [--shards N] ...
     accessory quantize SRC DST --to {int8,int4} [--shards N]
     accessory inspect PATH [--json]
@@ -20,6 +21,7 @@ import argparse
 from accessory import __version__
 from accessory.cli.batch import add_batch_verb
 from accessory.cli.chat import add_chat_verb
+from accessory.cli.compile import add_compile_verb
 from accessory.cli.generate import add_generate_verb
 from accessory.cli.options import add_log_level, add_model_args, add_sampling_args, both_spellings, positive_int
 from accessory.cli.process import load_model, run
@@ -40,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_verb(verbs)
     add_batch_verb(verbs)
     add_serve_verb(verbs)
+    add_compile_verb(verbs)
     add_convert_verb(verbs)
     add_quantize_verb(verbs)
     add_inspect_verb(verbs)

@@ -27,6 +27,7 @@ import torch
 from accessory.errors import ConfigError, RanksDisagree
 from accessory.generation.draft import DraftProposer
 from accessory.generation.model_runner import MIN_COLUMNS, ModelRunner, compiled
+from accessory.generation.packaged_decode import compiled_decode
 from accessory.generation.requests import Event, Request
 from accessory.generation.scheduler import Follower, Plan, Scheduler
 from accessory.generation.speculative import NgramProposer, SpeculativeConfig
@@ -81,7 +82,7 @@ class Engine:
         if settings.compile and model.device.type == "cpu" and not shutil.which(os.environ.get("CXX", "c++")):
             raise ConfigError("compile=True on the CPU needs a C++ compiler (torch's inductor writes C++): install "
                               "one (g++), or run without --compile")
-        self.decode_step = compiled(model.decode, model.device) if settings.compile else model.decode
+        self.decode_step = compiled_decode(model) if settings.compile else model.decode
         # several tokens per row (speculative decoding; a draft catching up), compiled lazily: at its first call
         self.verify_step = compiled(model.verify, model.device, size_guards=True) if settings.compile \
             else model.verify

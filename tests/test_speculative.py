@@ -303,20 +303,35 @@ def test_sampled_tokens_follow_plain_samplings_distribution(tiny_checkpoints):
 def test_compiled_speculation_gives_eager_tokens_and_compiles_nothing_after_warm_up(tiny_checkpoints, tiny_draft):
     """The verify step compiled (symbolic rows and slots), the noisy draft's decode and verify steps too: after the
     warm-up, batches of 1 to 3 rows with proposals of every length compile no graph, and give plain eager tokens."""
-    from torch._dynamo.utils import counters
-
     from accessory.model.meta import MetaModel
+    from tiny import CompiledSteps
 
     torch._dynamo.reset()
     folder = tiny_checkpoints["mha", 1]
     eager = MetaModel.from_pretrained(folder, max_seq_len=128, max_batch_size=3)
-    compiled = MetaModel.from_pretrained(folder, max_seq_len=128, max_batch_size=3, compile=True, warmup=True,
-                                         speculative_config={"model": str(tiny_draft), "num_speculative_tokens": 3})
-    warmed, stats = counters["stats"]["unique_graphs"], []
-    for prompts in (TINY_PROMPTS[:1], TINY_PROMPTS, TINY_PROMPTS[1:]):
-        assert greedy_ids(compiled, prompts, 20, stats=stats) == greedy_ids(eager, prompts, 20)
-    assert counters["stats"]["unique_graphs"] == warmed
-    assert sum(s.accepted_tokens for s in stats) > 0
+    with CompiledSteps() as steps:
+        compiled = MetaModel.from_pretrained(folder, max_seq_len=128, max_batch_size=3, compile=True, warmup=True,
+                                             speculative_config={"model": str(tiny_draft), "num_speculative_tokens": 3})
+        warmed = steps.count
+        for prompts in (TINY_PROMPTS[:1], TINY_PROMPTS, TINY_PROMPTS[1:]):
+            assert engine_ids(compiled, prompts, 20) == greedy_ids(eager, prompts, 20)
+        assert steps.count == warmed
+    assert compiled.engine.stats.accepted_tokens > 0
+
+
+def engine_ids(model, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """`steps` greedy tokens per prompt from model.engine itself (greedy_ids runs an engine configured anew)."""
+    from accessory.generation.requests import Request
+    from accessory.generation.sampling import SamplingParams
+
+    requests = [Request(row, ids, SamplingParams(max_gen_len=steps), 0) for row, ids in enumerate(prompts)]
+    stops, model.engine.stop_ids = model.engine.stop_ids, set()
+    try:
+        for _ in model.engine.stream(requests):
+            pass
+    finally:
+        model.engine.stop_ids = stops
+    return [request.generated for request in requests]
 
 
 def test_the_command_line_flag_speculates_and_answers_as_plain_decoding(smol, smollm2_checkpoint):

@@ -118,10 +118,10 @@ class Engine:
         return NgramProposer(config)
 
     @torch.inference_mode()
-    def compile_verify(self) -> None:
-        """Compile the verify step (speculative decoding), the draft's too, for one row and for several, at two
-        attention widths (symbolic sizes): feed a throwaway run's rows a few tokens each, so that no request waits on
-        its compilation."""
+    def compile_speculation(self) -> None:
+        """Compile the steps speculative decoding runs (verify, and decode at one token a row: the target's and the
+        draft's), for one row and for several, at two attention widths (symbolic sizes): feed a throwaway run's rows
+        a few tokens each, so that no request waits on their compilation."""
         past = min(MIN_COLUMNS + 8, self.max_seq_len - 8)  # past the narrowest width, if the model reaches it
         for engine in (self, self.draft) if self.draft is not None else (self,):
             for rows in (1, 2):
@@ -130,6 +130,7 @@ class Engine:
                     runner.prefill(((1,) * length,) * rows, (None,) * rows)
                     runner.feed([(3, 4, 5)] * rows)
                     runner.feed([(6, 7)] * rows)
+                    runner.feed([(8,)] * rows)
 
     def configured(self, **changes) -> "Engine":
         """An engine for the same model with some settings changed."""

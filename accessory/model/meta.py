@@ -102,7 +102,7 @@ class MetaModel(nn.Module):
             for batch in (["Hello"], ["Hello", "Hello there"]):
                 self.generate(batch, max_gen_len=3)
             if self.engine.settings.speculative is not None:
-                self.engine.compile_verify()
+                self.engine.compile_speculation()
         except AccessoryError:
             raise
         except Exception as e:

@@ -200,11 +200,11 @@ def test_a_group_failing_mid_stream_counts_the_tokens_sent_and_shows_no_paths(ti
     service, broken = GenerationService(tiny, heartbeat_s=0.2), threading.Event()
     step = Scheduler.step
 
-    def failing_step(self, logits):
+    def failing_step(self, logits, proposals=()):
         if broken.is_set():
             raise RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by "
                                "peer [127.0.0.1]:29500")
-        return step(self, logits)
+        return step(self, logits, proposals)
 
     monkeypatch.setattr(Scheduler, "step", failing_step)
     runner = threading.Thread(target=lambda: pytest.raises(RuntimeError, service.run), daemon=True)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 import torch
+import torch._dynamo  # imported here, by one thread: two threads' first `torch._dynamo` at once fail (circular import)
 import torch.nn.functional as F
 from torch import nn
 

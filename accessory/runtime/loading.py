@@ -82,8 +82,10 @@ def load(pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optio
     llma = load_network(folders, spec, tokenizer, ctx, max_seq_len, dtype, device, quant)
     draft = None
     if draft_folders is not None:
-        draft_spec = spec if draft_folders is folders else read_spec(draft_folders, None, [])
-        check_draft_tokenizer(tokenizer, draft_folders, tokenizer_path if draft_folders is folders else None)
+        draft_spec = spec
+        if draft_folders is not folders:  # "self" reads the target's own files: nothing to compare
+            draft_spec = read_spec(draft_folders, None, [])
+            check_draft_tokenizer(tokenizer, draft_folders)
         draft = load_network(draft_folders, draft_spec, tokenizer, ctx, max_seq_len, dtype, device,
                              speculative.quant)
         if hasattr(llma, "image_features") and not hasattr(draft, "image_features"):
@@ -131,10 +133,10 @@ def load_network(folders: list[Path], spec: CheckpointSpec, tokenizer: Tokenizer
     return llma.eval()
 
 
-def check_draft_tokenizer(tokenizer: Tokenizer, folders: list[Path], path: Optional[PathLike]) -> None:
+def check_draft_tokenizer(tokenizer: Tokenizer, folders: list[Path]) -> None:
     """A draft model must read and write the same token ids as its target: the same vocabulary, the same ids for
     the same text and the same special tokens."""
-    draft = Tokenizer.from_path(path or found_tokenizer(folders))
+    draft = Tokenizer.from_path(found_tokenizer(folders))
     probe = "Speculative decoding: the draft's tokens are the target's. 12345 éà 漢字"
     if (draft.n_words, draft.encode(probe, bos=True, eos=True)) != (tokenizer.n_words,
                                                                    tokenizer.encode(probe, bos=True, eos=True)):

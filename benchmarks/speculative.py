@@ -11,7 +11,9 @@ code, continue a paragraph's copy: the answer is mostly in the prompt) and ordin
 
 Every prompt's answer must be the same token for token with and without speculation (the run fails otherwise). Each
 timing is the median of `--repeats` calls of `MetaModel.generate` after one warm-up (which also compiles), end to end;
-tokens/s is the answer's tokens over that time, summed over the prompts of a kind. The acceptance rate is accepted
+tokens/s is the answer's tokens over that time, summed over the prompts of a kind. "After the first token" compares
+the time past a 1-token answer's (the prompt's prefill, which speculation cannot shorten): decoding alone. `costs`
+are the engine's measured step costs (a step proposing 1..K tokens, in plain decode steps). The acceptance rate is accepted
 over proposed tokens, from the engine's counters.
 
 llama.cpp (llama-cpp-python, if installed): `Llama.generate` on the same prompt ids, greedy, plain and with
@@ -92,31 +94,38 @@ def models(form: str, args):
     return plain, fast, config
 
 
-def timed(model, prompt: str, n: int, repeats: int) -> tuple[float, list[int]]:
-    """The median seconds of `repeats` greedy answers to `prompt` (after one warm-up), and the answer's ids."""
+def timed(model, prompt: str, n: int, repeats: int) -> tuple[float, float, list[int]]:
+    """The median seconds of `repeats` greedy answers to `prompt` of up to `n` tokens and of 1 token (the prompt's
+    prefill and first token: what speculation cannot shorten), after one warm-up; and the answer's ids."""
     model.generate([prompt], max_gen_len=n)
-    times = []
+    times, firsts = [], []
     for _ in range(repeats):
+        start = time.perf_counter()
+        model.generate([prompt], max_gen_len=1)
+        firsts.append(time.perf_counter() - start)
         start = time.perf_counter()
         text = model.generate([prompt], max_gen_len=n)[0]
         times.append(time.perf_counter() - start)
-    return statistics.median(times), model.tokenizer.encode(text, bos=False, eos=False)
+    return statistics.median(times), statistics.median(firsts), model.tokenizer.encode(text, bos=False, eos=False)
 
 
 def report(form: str, kind: str, config: dict, plain, fast, prompts: list[str], args) -> None:
     stats = fast.engine.stats
     proposed, accepted = stats.proposed_tokens, stats.accepted_tokens
-    total_plain = total_fast = tokens = 0.0
+    total_plain = total_fast = first_plain = first_fast = tokens = 0.0
     for prompt in prompts:
-        t_plain, ids_plain = timed(plain, prompt, args.new_tokens, args.repeats)
-        t_fast, ids_fast = timed(fast, prompt, args.new_tokens, args.repeats)
+        t_plain, f_plain, ids_plain = timed(plain, prompt, args.new_tokens, args.repeats)
+        t_fast, f_fast, ids_fast = timed(fast, prompt, args.new_tokens, args.repeats)
         if ids_fast != ids_plain:
             raise SystemExit(f"{form}: the answer to {prompt[:60]!r} differs with speculation")
         total_plain, total_fast, tokens = total_plain + t_plain, total_fast + t_fast, tokens + len(ids_plain)
+        first_plain, first_fast = first_plain + f_plain, first_fast + f_fast
     rate = (stats.accepted_tokens - accepted) / max(1, stats.proposed_tokens - proposed)
+    decoding = (total_plain - first_plain) / (total_fast - first_fast)
     print(f"{form:10s} {kind:9s} {'compiled' if not args.eager else 'eager':8s} plain {tokens / total_plain:7.1f} "
-          f"tok/s  speculative {tokens / total_fast:7.1f} tok/s  x{total_plain / total_fast:.2f}  "
-          f"accepted {rate:.0%}  ({int(tokens)} tokens, identical)  {config}", flush=True)
+          f"tok/s  speculative {tokens / total_fast:7.1f} tok/s  x{total_plain / total_fast:.2f} end to end, "
+          f"x{decoding:.2f} after the first token  accepted {rate:.0%}  ({int(tokens)} tokens, identical)  "
+          f"{config}  costs {' '.join(f'{c:.2f}' for c in fast.engine.step_costs or ())}", flush=True)
 
 
 def llama_cpp_rows(plain, args) -> None:

@@ -35,24 +35,26 @@ def test_ngram_lookup_proposes_what_followed_the_longest_match_latest_among_equa
     assert strict([6, 5, 1, 6, 5], 2) == (1, 6)
 
 
-def test_row_budget_grows_on_full_acceptance_shrinks_otherwise_and_pauses_after_misses():
-    from accessory.generation.speculative import MAX_COOLDOWN, RowBudget
+def test_a_row_proposes_the_count_that_pays_most_and_only_probes_where_none_pays():
+    from accessory.generation.speculative import PROBE_EVERY, RowBudget, best_size
 
-    budget = RowBudget(4)
-    assert budget.next() == 4
-    budget.observe(4, 2)
-    assert budget.next() == 3
-    budget.observe(3, 3)
-    assert budget.next() == 4  # never above K
-    budget.observe(4, 0)  # a miss: one step off
-    assert [budget.next() for _ in range(2)] == [0, 3]
-    budget.observe(3, 0)  # two in a row: two steps off
-    assert [budget.next() for _ in range(3)] == [0, 0, 2]
-    for _ in range(10):
-        budget.observe(1, 0)
-    assert budget.cooldown == MAX_COOLDOWN
-    budget.observe(1, 1)
-    assert budget.misses == 0
+    # tokens expected per cost, hand-computed: at rate 0.5, k = 0..3 give 1/1, 1.5/1.1, 1.75/1.2, 1.875/1.3
+    # (1, 1.36, 1.46, 1.44): two; at 0.9, 2.71/1.2 = 2.26 < 3.44/1.3 = 2.65: three
+    assert best_size(0.5, (1.0, 1.1, 1.2, 1.3)) == 2
+    assert best_size(0.9, (1.0, 1.1, 1.2, 1.3)) == 3
+    assert best_size(0.1, (1.0, 1.2, 1.4)) == 0  # 1.1 / 1.2 < 1: plain decoding pays most
+    assert best_size(0.99, (1.0, 2.5, 4.0)) == 0  # steps dearer than the tokens they add
+
+    budget = RowBudget((1.0, 1.3, 1.5, 1.7))
+    assert budget.rate == 0.5 and budget.next() == 2  # the even prior: 1.75 / 1.5 = 1.17 beats 1.15 and 1.10
+    budget.observe(2, 2)  # both kept: rate (0.8 + 2) / (0.8 + 2 + 0.8)
+    assert budget.rate == pytest.approx(2.8 / 3.6) and budget.next() == 3
+    sizes = []
+    for _ in range(4):  # each step kept none of three
+        budget.observe(3, 0)
+        sizes.append(best_size(budget.rate, budget.costs))
+    assert sizes == [2, 1, 1, 0]  # fewer as the rate falls (0.58, 0.44, 0.33, 0.26), then none
+    assert [budget.next() for _ in range(PROBE_EVERY + 1)] == [0] * (PROBE_EVERY - 1) + [1, 0]  # one probe
 
 
 @pytest.mark.parametrize("values,message", [
@@ -95,6 +97,16 @@ def speculating(model, config: dict, draft=None):
 
     settings = replace(model.engine.settings, speculative=SpeculativeConfig.from_dict(config))
     return MetaModel(model.llma, model.tokenizer, model.llama_type, settings, draft)
+
+
+def fixed_costs(*models):
+    """Give each model's engine fixed speculation costs (a step proposing k tokens costs 1 + k / 10 plain ones), so
+    that its rows propose the same in every run: measured costs vary from run to run, and with them the counts of
+    proposed and accepted tokens (never the tokens)."""
+    for model in models:
+        most = model.engine.settings.speculative.num_speculative_tokens
+        model.engine.step_costs = tuple(1.0 + k / 10 for k in range(most + 1))
+    return models
 
 
 def prompts_of(model) -> list[str]:
@@ -231,9 +243,10 @@ def tiny_runs(folder, draft) -> dict:
                                         speculative_config={"model": "self"})
     noisy = MetaModel.from_pretrained(folder, max_seq_len=128, max_batch_size=3,
                                       speculative_config={"model": str(draft), "num_speculative_tokens": 3})
+    ngram = speculating(plain, NGRAM)
+    fixed_costs(ngram, drafted, noisy)
     out = {}
-    for name, model in (("plain", plain), ("ngram", speculating(plain, NGRAM)), ("self", drafted),
-                        ("noisy draft", noisy)):
+    for name, model in (("plain", plain), ("ngram", ngram), ("self", drafted), ("noisy draft", noisy)):
         stats = []
         out[name] = (greedy_ids(model, TINY_PROMPTS, 24, stats=stats),
                      greedy_ids(model, TINY_PROMPTS, 24, stats=stats, **SAMPLING),
@@ -286,6 +299,7 @@ def test_sampled_tokens_follow_plain_samplings_distribution(tiny_checkpoints):
     drafted = MetaModel.from_pretrained(folder, max_seq_len=64, max_batch_size=100,
                                         speculative_config={"model": "self", "quant": "int8",
                                                             "num_speculative_tokens": 3})
+    fixed_costs(drafted)
     draws, stats = {}, []
     for name, model, seed in (("plain", plain, 1), ("drafted", drafted, 2)):
         rows = []
@@ -312,6 +326,7 @@ def test_compiled_speculation_gives_eager_tokens_and_compiles_nothing_after_warm
     with CompiledSteps() as steps:
         compiled = MetaModel.from_pretrained(folder, max_seq_len=128, max_batch_size=3, compile=True, warmup=True,
                                              speculative_config={"model": str(tiny_draft), "num_speculative_tokens": 3})
+        fixed_costs(compiled)  # a draft as big as the target never pays: measured costs would propose little
         warmed = steps.count
         for prompts in (TINY_PROMPTS[:1], TINY_PROMPTS, TINY_PROMPTS[1:]):
             assert engine_ids(compiled, prompts, 20) == greedy_ids(eager, prompts, 20)

@@ -16,8 +16,11 @@ tells every rank.
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import statistics
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Collection, Iterator, Optional
@@ -27,12 +30,16 @@ import torch
 from accessory.errors import ConfigError, RanksDisagree
 from accessory.generation.draft import DraftProposer
 from accessory.generation.model_runner import MIN_COLUMNS, ModelRunner, compiled
+from accessory.network.components import decode_mask
 from accessory.generation.packaged_decode import compiled_decode
 from accessory.generation.requests import Event, Request
 from accessory.generation.scheduler import Follower, Plan, Scheduler
 from accessory.generation.speculative import NgramProposer, SpeculativeConfig
 from accessory.generation.wire import share_plan
 from accessory.parallel.watchdog import announce_failure
+
+log = logging.getLogger(__name__)
+TIMED_STEPS = 5  # steps timed per size to measure speculation's costs (the median counts), after one untimed
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,8 @@ class Engine:
         self.stats = EngineStats()  # the same on every rank
         self.calls = 0  # runs started: the same count on every rank that runs the same code
         self.draft = None
+        # speculation_costs(): measured at the first run that speculates (or by warm_up); a test may set them
+        self.step_costs: Optional[tuple[float, ...]] = None
         if settings.speculative is not None:
             self._speculate(settings.speculative, draft)
 
@@ -112,10 +121,26 @@ class Engine:
         config = self.settings.speculative
         if config is None:
             return None
+        self.speculation_costs()  # before any runner's cache is set up: it times steps on a cache of its own
         if self.draft is not None:
             return DraftProposer(self.draft, rows, columns, keep_finished, self.vocab_size,
                                  config.num_speculative_tokens)
         return NgramProposer(config)
+
+    def speculation_costs(self) -> tuple[float, ...]:
+        """costs[k], k = 0..num_speculative_tokens: what a step that proposes and scores k tokens for one row costs,
+        relative to a plain decode step (a verify step of k + 1 tokens, and with a draft, k of its decode steps).
+        Timed on the source rank once per engine and shared, so every rank's rows decide alike (collective: every
+        rank runs the same steps)."""
+        if self.step_costs is None:
+            most = self.settings.speculative.num_speculative_tokens
+            target = step_seconds(self, most + 1)
+            draft = step_seconds(self.draft, 1)[0] if self.draft is not None else 0.0
+            costs = tuple((target[k] + k * draft) / target[0] for k in range(most + 1))
+            self.step_costs = self.ctx.broadcast_object(costs if self.ctx.is_source else None)
+            log.info("speculative decoding: a step proposing 1..%d tokens costs %s plain decode steps (measured)",
+                     most, " ".join(f"{cost:.2f}" for cost in self.step_costs[1:]))
+        return self.step_costs
 
     @torch.inference_mode()
     def compile_speculation(self) -> None:
@@ -133,8 +158,12 @@ class Engine:
                     runner.feed([(8,)] * rows)
 
     def configured(self, **changes) -> "Engine":
-        """An engine for the same model with some settings changed."""
-        return Engine(self.model, self.tokenizer, replace(self.settings, **changes), self.stop_ids, self.draft_model)
+        """An engine for the same model with some settings changed (speculation's costs kept, if its steps are
+        the same)."""
+        engine = Engine(self.model, self.tokenizer, replace(self.settings, **changes), self.stop_ids, self.draft_model)
+        if (engine.settings.speculative, engine.settings.compile) == (self.settings.speculative, self.settings.compile):
+            engine.step_costs = self.step_costs
+        return engine
 
     @property
     def max_seq_len(self) -> int:
@@ -232,3 +261,31 @@ class Engine:
             if self.ctx.world_size > 1 and not isinstance(error, RanksDisagree):
                 announce_failure(f"{type(error).__name__}: {error} (generation call {self.calls})")
             raise
+
+
+@torch.inference_mode()
+def step_seconds(engine: Engine, most_slots: int) -> list[float]:
+    """The median seconds of the engine's step scoring 1, 2, .. most_slots tokens at one row (its decode step for
+    one, its verify step for more), on a KV cache of its own."""
+    model = engine.model
+    columns = min(MIN_COLUMNS, engine.max_seq_len)
+    model.setup_caches(2, columns)  # 2 rows, as a runner of one row has
+    start = max(0, min(16, columns - most_slots))
+    seconds = []
+    for slots in range(1, most_slots + 1):
+        positions = torch.arange(start, start + slots, device=model.device)[None]
+        tokens = torch.ones_like(positions)
+        mask = decode_mask(positions, columns)
+        if slots == 1:
+            first = positions[:, 0].contiguous()
+            step = lambda: engine.decode_step(torch.ones_like(first), first, decode_mask(first, columns))  # noqa
+        else:
+            step = lambda: engine.verify_step(tokens, positions, mask)  # noqa: E731
+        step()  # compiles, if that has not happened yet
+        times = []
+        for _ in range(TIMED_STEPS):
+            begin = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - begin)
+        seconds.append(statistics.median(times))
+    return seconds

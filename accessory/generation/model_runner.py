@@ -45,7 +45,7 @@ class ModelRunner:
         self.columns = _bucket(columns, engine.max_seq_len)
         self.cached: list[list[int]] = []  # the tokens each live row holds in columns 0..len-1 (fed, not sampled)
         self.proposer = engine.proposer(rows, columns, keep_finished)  # None without speculative decoding
-        self.budgets: list[RowBudget] = []  # each live row's speculation back-off
+        self.budgets: list[RowBudget] = []  # how many tokens each live row proposes
         self.proposed: list[tuple[int, ...]] = []  # each row's proposals scored in the last step (source: its rows)
         live = max(rows, 2)  # at least 2: torch.compile gives a size of 1 a graph of its own; a cache row is cheap
         self.retained = RetainedRows(live, self._retained_rows(rows, self.columns) if keep_finished else 0)
@@ -76,8 +76,7 @@ class ModelRunner:
             local.append(self.prefill(plan.admit, images))
             if self.proposer is not None:
                 self.proposer.admit(plan.admit, images)
-                self.budgets += [RowBudget(self.engine.settings.speculative.num_speculative_tokens)
-                                 for _ in plan.admit]
+                self.budgets += [RowBudget(self.engine.speculation_costs()) for _ in plan.admit]
             self.proposed += [()] * len(plan.admit)
         scored = scored if self.engine.ctx.is_source else []
         if not local:

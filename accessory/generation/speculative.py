@@ -9,8 +9,8 @@ equals it; the first sample that differs is kept too, and ends the row's step. F
 the standard acceptance rule (accept with probability p(x); on rejection, sample from p without x), so the output is
 the target model's, greedy or sampled: with a seed, token for token what plain decoding gives.
 
-What the configuration accepts is vLLM's `speculative_config`; the rows' back-off (`RowBudget`) keeps speculation
-cheap where proposals are rarely accepted.
+What the configuration accepts is vLLM's `speculative_config`. Each row proposes as many tokens as pay for
+themselves (`RowBudget`): from its acceptance rate so far and what the steps cost on this machine, measured.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ import numpy as np
 from accessory.errors import ConfigError
 
 METHODS = ("ngram", "draft_model")
-MAX_COOLDOWN = 16  # steps a row waits before proposing again, at most, after proposals that all failed
+DECAY = 0.8  # a row's acceptance rate weighs each earlier verify step this much less than the next
+PROBE_EVERY = 8  # where speculation does not pay, a row still proposes one token this often (in steps)
 
 
 @dataclass(frozen=True)
@@ -111,33 +112,49 @@ class NgramProposer:
 
 @dataclass
 class RowBudget:
-    """How many tokens a row may propose next: up to K, one more after a step that accepted every proposal, one
-    fewer after one that did not. After a step that accepted none, the row pauses `cooldown` steps (doubling with
-    each such step in a row, up to MAX_COOLDOWN) before proposing again, so text that the proposer cannot guess
-    costs few verify steps. Updated alike on every rank, from the tokens each step kept."""
-    most: int
-    size: int = 0
-    misses: int = 0
-    cooldown: int = 0
+    """How many tokens a row proposes next: the count with the most tokens expected per unit of time. `costs[k]` is
+    what a step that proposes and scores k tokens costs, relative to a plain decode step (costs[0] = 1; measured by
+    the engine, `Engine.speculation_costs`); each proposal is taken to be accepted with probability p, the row's
+    rate so far (decayed counts, from an even prior), so k proposals add 1 + p + ... + p^k tokens. Where no count
+    pays (p low, or steps that score more tokens dear), the row proposes nothing, but one token every PROBE_EVERY
+    steps, so that text that turns guessable is noticed. Updated alike on every rank, from the tokens each step
+    kept, with costs the source rank measured: every rank's rows propose alike."""
+    costs: tuple[float, ...]
+    accepted: float = 1.0
+    rejected: float = 1.0
+    waited: int = 0  # steps without proposing since the last probe
 
-    def __post_init__(self):
-        self.size = self.size or self.most
+    @property
+    def rate(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
 
     def next(self) -> int:
-        if self.cooldown:
-            self.cooldown -= 1
+        size = best_size(self.rate, self.costs)
+        if size:
+            self.waited = 0
+            return size
+        self.waited += 1
+        if self.waited < PROBE_EVERY:
             return 0
-        return self.size
+        self.waited = 0
+        return 1
 
     def observe(self, proposed: int, accepted: int) -> None:
-        if not proposed:
-            return
-        self.size = min(self.most, self.size + 1) if accepted == proposed else max(1, self.size - 1)
-        if accepted:
-            self.misses = 0
-        else:
-            self.misses += 1
-            self.cooldown = min(MAX_COOLDOWN, 2 ** (self.misses - 1))
+        """A step scored `proposed` of the row's tokens and kept the first `accepted`."""
+        if proposed:
+            self.accepted = DECAY * self.accepted + accepted
+            self.rejected = DECAY * self.rejected + (accepted < proposed)
+
+
+def best_size(rate: float, costs: tuple[float, ...]) -> int:
+    """The k in 0..len(costs)-1 that maximizes the tokens expected, 1 + rate + ... + rate^k, over costs[k]."""
+    expected, term, best, best_gain = 1.0, 1.0, 0, 1.0 / costs[0]
+    for k in range(1, len(costs)):
+        term *= rate
+        expected += term
+        if expected / costs[k] > best_gain * (1 + 1e-9):
+            best, best_gain = k, expected / costs[k]
+    return best
 
 
 def accepted_count(proposed: tuple[int, ...], kept: tuple[int, ...]) -> int:

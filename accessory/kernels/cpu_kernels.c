@@ -843,26 +843,29 @@ INLINE void attention_values(const float *weights, const float *v, int64_t colum
     for (int64_t d = 0; d < D; d++) out[d] *= norm;
 }
 
-/* out (B, H, D) = softmax(q . k / sqrt(D)) . v over cache columns 0..positions[b] of cache row b, query head h
-   reading KV head h / (H / Hkv) (grouped-query attention). q (B, H, D); k, v (rows, Hkv, S, D) float32 caches.
-   Columns past a row's position are never read, so one call serves rows at any mix of positions. */
+/* out (B, L, H, D) = softmax(q . k / sqrt(D)) . v: query l of row b (L per row: one when decoding, a few when
+   verifying speculative proposals) over columns 0..positions[b, l] of cache row b, query head h reading KV head
+   h / (H / Hkv) (grouped-query attention). q (B, L, H, D); k, v (rows, Hkv, S, D) float32 caches; positions (B, L).
+   Columns past a query's position are never read, so one call serves rows at any mix of positions. */
 void accessory_decode_attention(const float *q, const float *k, const float *v, const int64_t *positions, int64_t B,
-                                int64_t H, int64_t Hkv, int64_t S, int64_t D, float *out) {
+                                int64_t L, int64_t H, int64_t Hkv, int64_t S, int64_t D, float *out) {
     const float scale = 1.0f / sqrtf((float)D);
-#pragma omp parallel for collapse(2) schedule(static)
+#pragma omp parallel for collapse(3) schedule(static)
     for (int64_t b = 0; b < B; b++)
-        for (int64_t h = 0; h < H; h++) {
-            const int64_t columns = positions[b] + 1, head = h / (H / Hkv), padded = (columns + LANES - 1) / LANES * LANES;
-            const float *kh = k + (b * Hkv + head) * S * D, *vh = v + (b * Hkv + head) * S * D;
-            float *oh = out + (b * H + h) * D, scores[padded], top = -INFINITY, total = 0.0f;
-            attention_scores(q + (b * H + h) * D, kh, columns, D, scale, scores);
-            for (int64_t c = 0; c < columns; c++) top = scores[c] > top ? scores[c] : top;
-            for (int64_t c = columns; c < padded; c++) scores[c] = top; /* read by the last vector, not summed */
-            for (int64_t c = 0; c < padded; c += LANES)
-                vec_store(scores + c, vec_exp(vec_add(vec_load(scores + c), vec_set1(-top))));
-            for (int64_t c = 0; c < columns; c++) total += scores[c];
-            attention_values(scores, vh, columns, D, 1.0f / total, oh);
-        }
+        for (int64_t l = 0; l < L; l++)
+            for (int64_t h = 0; h < H; h++) {
+                const int64_t query = (b * L + l) * H + h, columns = positions[b * L + l] + 1, head = h / (H / Hkv);
+                const int64_t padded = (columns + LANES - 1) / LANES * LANES;
+                const float *kh = k + (b * Hkv + head) * S * D, *vh = v + (b * Hkv + head) * S * D;
+                float scores[padded], top = -INFINITY, total = 0.0f;
+                attention_scores(q + query * D, kh, columns, D, scale, scores);
+                for (int64_t c = 0; c < columns; c++) top = scores[c] > top ? scores[c] : top;
+                for (int64_t c = columns; c < padded; c++) scores[c] = top; /* read by the last vector, not summed */
+                for (int64_t c = 0; c < padded; c += LANES)
+                    vec_store(scores + c, vec_exp(vec_add(vec_load(scores + c), vec_set1(-top))));
+                for (int64_t c = 0; c < columns; c++) total += scores[c];
+                attention_values(scores, vh, columns, D, 1.0f / total, out + query * D);
+            }
 }
 
 /* Which instruction set this build uses, for logs and benchmark tables. */

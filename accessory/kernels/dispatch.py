@@ -2,13 +2,13 @@
 torch path that computes the same values by other arithmetic.
 
 - `linear`: x @ W^T for a float W. The kernel for 2 to FLOAT_KERNEL_MAX_ROWS rows of float32 on the CPU (batched
-  decode steps); F.linear (the BLAS library) for one row (its matrix-vector product is as fast: both stream W at the
-  memory's speed), more rows, other dtypes and devices.
+  decode steps), and for one row where it beats the BLAS library's matrix-vector product on this machine (timed
+  once: build.one_row_float_kernel); F.linear otherwise (more rows, other dtypes and devices).
 - `quantized_linear`: x @ W^T for a quantized W. The kernels take up to KERNEL_MAX_ROWS rows of float32 x on the
   CPU (BLOCK_KERNEL_MAX_ROWS for GGUF's block formats), and up to MAX_ROWS rows of bfloat16 / float16 x on CUDA
   (Triton kernels, cuda.py; int8 / int4); more rows (prefill), float32 on CUDA, GGUF's block formats on CUDA, or no
   kernels: W is dequantized in row chunks for F.linear.
-- `decode_attention`: one query per cache row over that row's own cached positions. The kernel on the CPU with
+- `decode_attention`: a few queries per cache row over that row's own cached positions. The kernel on the CPU with
   float32 caches; elsewhere, SDPA over the first `columns` columns with the position mask.
 - `grouped_experts`: a mixture of experts' MLPs, one product per chosen expert on its tokens (eager, and compiled
   on the CPU as an operator); `expert_product`: one expert of a stack chosen by a tensor id (the GPU's static step).
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from accessory.kernels.cuda import takes as cuda_takes
-from accessory.kernels.build import cpu_kernels, loaded
+from accessory.kernels.build import cpu_kernels, loaded, one_row_float_kernel
 from accessory.quant.formats import GGUF_BLOCKS, PARTS, QUANTIZERS, dequantize
 
 # Rows of x above which the library's GEMM beats the kernels: with W float32, and with W quantized (dequantized in
@@ -47,7 +47,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (..., in) @ weight^T -> (..., out), weight (out, in) float."""
     rows = x.reshape(-1, x.shape[-1])
     fits = x.dtype == weight.dtype == torch.float32 and weight.is_contiguous() and weight.shape[1] % 32 == 0
-    if fits and 2 <= rows.shape[0] <= FLOAT_KERNEL_MAX_ROWS and _kernels_here(x.device):
+    few = 2 <= rows.shape[0] <= FLOAT_KERNEL_MAX_ROWS or (rows.shape[0] == 1 and one_row_float_kernel())
+    if fits and few and _kernels_here(x.device):
         return torch.ops.accessory.linear_cpu(rows.contiguous(), weight).reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)
 
@@ -141,16 +142,16 @@ def _(x, weights, local, fmt, w13, w2, activation):
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                     mask: torch.Tensor) -> torch.Tensor:
+                     mask: torch.Tensor, ring: bool = False) -> torch.Tensor:
     """Attention of L new tokens per cache row: q (B, L, H, D); keys and values the whole caches (rows, H_kv, S, D);
     token l of row b sees its columns 0..positions[b, l] (`mask` (B, 1, L, C) says the same for the first C
-    columns) -> (B, H, L, D). Query head h reads KV head h // (H / H_kv). One token per row (decoding) has a
-    kernel of its own."""
+    columns) -> (B, H, L, D). Query head h reads KV head h // (H / H_kv). The kernel takes it on the CPU (each
+    token over its own columns, as a one-token step would), but for several tokens on a ring (a sliding window's
+    cache, whose columns are not positions: the mask says which each token sees)."""
     batch, length, heads, dim = q.shape
-    if length == 1 and keys.dtype == torch.float32 and _kernels_here(q.device):
-        out = torch.ops.accessory.decode_attention_cpu(q.reshape(batch, heads, dim).float(), keys, values,
-                                                       positions[:, 0])
-        return out.to(q.dtype).view(batch, heads, 1, dim)
+    if keys.dtype == torch.float32 and (length == 1 or not ring) and _kernels_here(q.device):
+        out = torch.ops.accessory.decode_attention_cpu(q.float().contiguous(), keys, values, positions.contiguous())
+        return out.to(q.dtype).transpose(1, 2)
     columns = mask.shape[-1]
     return F.scaled_dot_product_attention(q.transpose(1, 2), keys[:batch, :, :columns], values[:batch, :, :columns],
                                           attn_mask=mask, enable_gqa=True)

@@ -17,7 +17,7 @@ void accessory_linear_f32(const float *x, int64_t M, int64_t K, const float *w, 
 int accessory_linear_gguf(const char *fmt, const float *x, int64_t M, int64_t K, const uint8_t *q, int64_t N,
                           float *y);
 void accessory_decode_attention(const float *q, const float *k, const float *v, const int64_t *positions, int64_t B,
-                                int64_t H, int64_t Hkv, int64_t S, int64_t D, float *out);
+                                int64_t L, int64_t H, int64_t Hkv, int64_t S, int64_t D, float *out);
 }
 
 // GGUF's block formats (quant/formats.py GGUF_BLOCKS): values and bytes per block.
@@ -76,16 +76,19 @@ static at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &w) {
 
 static at::Tensor decode_attention_cpu(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
                                        const at::Tensor &positions) {
-    TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
-                v.scalar_type() == at::kFloat && q.is_contiguous() && k.is_contiguous() && v.is_contiguous() &&
-                positions.scalar_type() == at::kLong && positions.is_contiguous(),
-                "decode_attention_cpu: q (B, H, D), k and v (rows, H_kv, S, D) contiguous float32, positions int64");
-    const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
-    TORCH_CHECK(k.size(0) >= batch && k.size(3) == dim && heads % k.size(1) == 0 && positions.numel() == batch,
-                "decode_attention_cpu: shapes do not match");
+    TORCH_CHECK((q.dim() == 3 || q.dim() == 4) && k.dim() == 4 && q.scalar_type() == at::kFloat &&
+                k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && q.is_contiguous() &&
+                k.is_contiguous() && v.is_contiguous() && positions.scalar_type() == at::kLong &&
+                positions.is_contiguous(),
+                "decode_attention_cpu: q (B, H, D) or (B, L, H, D), k and v (rows, H_kv, S, D) contiguous float32, "
+                "positions (B) or (B, L) int64");
+    const int64_t batch = q.size(0), length = q.dim() == 4 ? q.size(1) : 1;
+    const int64_t heads = q.size(q.dim() - 2), dim = q.size(q.dim() - 1);
+    TORCH_CHECK(k.size(0) >= batch && k.size(3) == dim && heads % k.size(1) == 0 &&
+                positions.numel() == batch * length, "decode_attention_cpu: shapes do not match");
     at::Tensor out = at::empty_like(q);
     accessory_decode_attention(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
-                               positions.data_ptr<int64_t>(), batch, heads, k.size(1), k.size(2), dim,
+                               positions.data_ptr<int64_t>(), batch, length, heads, k.size(1), k.size(2), dim,
                                out.data_ptr<float>());
     return out;
 }

@@ -345,7 +345,7 @@ class Attention(nn.Module):
         self.cache.write(rows.reshape(-1), positions.reshape(-1), k.flatten(0, 1), v.flatten(0, 1))
         if self.cache.ring:  # every column holds one of the last `columns` positions, once written
             positions = positions.clamp(max=self.cache.columns - 1)
-        attended = decode_attention(q, self.cache.k, self.cache.v, positions, mask)
+        attended = decode_attention(q, self.cache.k, self.cache.v, positions, mask, self.cache.ring)
         return self._out(attended)
 
 

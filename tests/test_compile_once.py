@@ -4,8 +4,10 @@ tokens); a model whose code differs (another quantized format) gets packages of 
 same shapes reuse the package (it computes with the live model's weights); a corrupt package is reported and
 compiled again; and `accessory compile` makes the packages ahead of time.
 
-Each process is a real subprocess with its own $ACCESSORY_CACHE; its `kernels` folder links to this process's, so
-the CPU kernels are not built again (the link is followed, and the folder it reaches is still private)."""
+Each process is a real subprocess with an $ACCESSORY_CACHE of the tests' own (the float and int8 tests share one, so
+the float packages are compiled once for both; `accessory compile` starts from an empty one); its `kernels` folder
+links to this process's, so the CPU kernels are not built again (the link is followed, and the folder it reaches is
+still private)."""
 from __future__ import annotations
 
 import json
@@ -61,17 +63,23 @@ print(json.dumps({"builds": step.builds, "loads": step.loads, "fallback": step.f
 """
 
 
-@pytest.fixture
-def cache(tmp_path) -> Path:
-    """An empty $ACCESSORY_CACHE for the subprocesses, its kernels this process's."""
+def new_cache(root: Path) -> Path:
+    """An empty $ACCESSORY_CACHE under `root` for the subprocesses, its kernels this process's."""
     from accessory.cache_dir import cache_dir
     from accessory.kernels.build import cpu_kernels
 
     assert cpu_kernels()
-    root = tmp_path / "cache"
-    root.mkdir(mode=0o700)
-    (root / "kernels").symlink_to(cache_dir() / "kernels")
-    return root
+    cache = root / "cache"
+    cache.mkdir(mode=0o700)
+    (cache / "kernels").symlink_to(cache_dir() / "kernels")
+    return cache
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """One cache for the tests of the float and int8 packages: each AOT compilation costs tens of seconds, so the
+    float packages the first run compiles are compiled once for both (the int8 test needs only their key)."""
+    return new_cache(tmp_path_factory.mktemp("compiled"))
 
 
 def run_process(cache: Path, folder: Path, quant: str = "", prompts=PROMPTS) -> dict:
@@ -103,60 +111,70 @@ def checkpoint(root: Path, tokenizer: Path, seed: int) -> Path:
     return save_checkpoint(root / f"gqa-{seed}", tiny_state_dict(config, seed), config, 1, [root / "tokenizer.model"])
 
 
-def test_a_second_process_loads_the_package_and_decodes_as_eager(cache, tmp_path, llama_tokenizer):
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, llama_tokenizer) -> dict[int, Path]:
+    """{seed: a tiny GQA checkpoint}: two sets of weights of the same shapes."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {seed: checkpoint(root, llama_tokenizer, seed) for seed in (0, 1)}
+
+
+@pytest.fixture(scope="module")
+def first_float_run(cache, folders) -> tuple[dict, dict[str, list[str]]]:
+    """The first --compile process of the float model in the empty cache, and the packages it left there."""
+    return run_process(cache, folders[0]), packages(cache)
+
+
+def test_a_second_process_loads_the_package_and_decodes_as_eager(cache, folders, first_float_run):
     """The first process compiles a package for one row and one for several; the second compiles nothing and
     loads both; both decode as eager decoding does. New weights of the same shapes (another seed) load the same
     packages and decode as eager decoding does with those weights."""
-    folder = checkpoint(tmp_path, llama_tokenizer, seed=0)
-    first = run_process(cache, folder)
+    first, made = first_float_run
     assert_decodes_as_eager(first)
     assert (first["builds"], first["loads"]) == (2, 0)
     assert "compiled the decode step for rows 1 into" in first["log"]
-    [(key, names)] = packages(cache).items()
+    [(key, names)] = made.items()
     assert names == ["rows-1-1.pt2", "rows-2-16.pt2"]
 
-    second = run_process(cache, folder)
+    second = run_process(cache, folders[0])
     assert_decodes_as_eager(second)
     assert (second["builds"], second["loads"]) == (0, 2)
     assert "loaded the compiled decode step for rows 1 from" in second["log"]
 
-    other_weights = run_process(cache, checkpoint(tmp_path, llama_tokenizer, seed=1))
+    before = packages(cache)
+    other_weights = run_process(cache, folders[1])
     assert_decodes_as_eager(other_weights)
     assert (other_weights["builds"], other_weights["loads"]) == (0, 2)
-    assert packages(cache) == {key: names}
+    assert packages(cache) == before and before[key] == names
 
 
-def test_another_format_compiles_its_own_and_a_corrupt_package_is_compiled_again(cache, tmp_path,
-                                                                                  llama_tokenizer):
+def test_another_format_compiles_its_own_and_a_corrupt_package_is_compiled_again(cache, folders, first_float_run):
     """int8 weights are other code: a package under another key. A package cut short is reported, removed and
     compiled again, and the run's output is still right."""
-    folder = checkpoint(tmp_path, llama_tokenizer, seed=0)
-    run_process(cache, folder, prompts=PROMPTS[:1])
-    float_keys = set(packages(cache))
-    int8 = run_process(cache, folder, quant="int8", prompts=PROMPTS[:1])
+    float_keys = set(first_float_run[1])
+    int8 = run_process(cache, folders[0], quant="int8", prompts=PROMPTS[:1])
     assert_decodes_as_eager(int8)
     assert (int8["builds"], int8["loads"]) == (1, 0)
     [int8_key] = set(packages(cache)) - float_keys
 
     package = cache / "compiled" / int8_key / "rows-1-1.pt2"
     package.write_bytes(package.read_bytes()[:1000])
-    again = run_process(cache, folder, quant="int8", prompts=PROMPTS[:1])
+    again = run_process(cache, folders[0], quant="int8", prompts=PROMPTS[:1])
     assert_decodes_as_eager(again)
     assert f"the compiled decode step {package} does not load" in again["log"]
     assert (again["builds"], again["loads"]) == (1, 0)
 
 
-def test_accessory_compile_makes_the_packages_a_run_loads(cache, tmp_path, llama_tokenizer):
+def test_accessory_compile_makes_the_packages_a_run_loads(tmp_path, folders):
     """`accessory compile` compiles the packages for every row count up to --max_batch_size and prints them; a
-    --compile run with the same model then compiles nothing."""
-    folder = checkpoint(tmp_path, llama_tokenizer, seed=0)
+    --compile run with the same model then compiles nothing. (A cache of its own: the float packages made here.)"""
+    cache = new_cache(tmp_path)
     env = dict(os.environ, ACCESSORY_CACHE=str(cache), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "accessory", "compile", "--pretrained_path", str(folder),
+    done = subprocess.run([sys.executable, "-m", "accessory", "compile", "--pretrained_path", str(folders[0]),
                            "--max_seq_len", "256", "--max_batch_size", "4"], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     [(key, names)] = packages(cache).items()
     assert done.stdout.splitlines() == [f"key {key}: 2 compiled, 0 already there",
                                         *(str(cache / "compiled" / key / name) for name in names)]
-    run = run_process(cache, folder)
+    run = run_process(cache, folders[0])
     assert (run["builds"], run["loads"]) == (0, 2)

@@ -57,7 +57,11 @@ def test_json_schema_and_object(model):
     for final in complete(model, Constraint.json_schema(SCHEMA)):
         assert final.finish_reason == "stop", final
         jsonschema.validate(json.loads(final.text), SCHEMA)
-    for final in complete(model, Constraint("json_object"), seeds=range(3), max_gen_len=120):
+    # 60 tokens: the rows that ramble take the whole limit (the test's time), and seed 2 closes its object within it
+    # on both tokenizers, so the check below is never empty
+    finals = complete(model, Constraint("json_object"), seeds=range(3), max_gen_len=60)
+    assert any(final.finish_reason == "stop" for final in finals), finals
+    for final in finals:
         if final.finish_reason == "stop":  # random weights may ramble on inside a string until the limit
             assert isinstance(json.loads(final.text), dict)
 

@@ -166,7 +166,8 @@ def test_another_format_compiles_its_own_and_a_corrupt_package_is_compiled_again
 
 def test_accessory_compile_makes_the_packages_a_run_loads(tmp_path, folders):
     """`accessory compile` compiles the packages for every row count up to --max_batch_size and prints them; a
-    --compile run with the same model then compiles nothing. (A cache of its own: the float packages made here.)"""
+    --compile run with the same model then compiles nothing and decodes as eager. (A cache of its own: the float
+    packages made here.)"""
     cache = new_cache(tmp_path)
     env = dict(os.environ, ACCESSORY_CACHE=str(cache), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-m", "accessory", "compile", "--pretrained_path", str(folders[0]),
@@ -178,3 +179,4 @@ def test_accessory_compile_makes_the_packages_a_run_loads(tmp_path, folders):
                                         *(str(cache / "compiled" / key / name) for name in names)]
     run = run_process(cache, folders[0])
     assert (run["builds"], run["loads"]) == (0, 2)
+    assert_decodes_as_eager(run)  # (packages made ahead of time once swapped the step's tokens and positions)

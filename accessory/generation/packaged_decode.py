@@ -86,9 +86,10 @@ class PackagedDecode:
         try:
             rows, paths = 1, []
             while rows <= most_rows:
-                positions = torch.zeros(rows, dtype=torch.long, device=self.model.device)
+                # token 0 at position 0, in two tensors: export takes one tensor passed twice for one input
+                tokens, positions = (torch.zeros(rows, dtype=torch.long, device=self.model.device) for _ in "tp")
                 with torch.inference_mode():
-                    self(positions, positions, decode_mask(positions, columns))  # token 0 at position 0
+                    self(tokens, positions, decode_mask(positions, columns))
                 if self.fallback is not None:
                     raise ConfigError(f"the decode step cannot be packaged: {self.reason}")
                 fewest, most, _ = self.loaded_step(self.key, rows)

@@ -81,6 +81,7 @@ class EnergyMeter:
 
 def describe(tracker, data) -> str:
     """codecarbon's version, how it read each device, and the country's grid intensity."""
+    # How it read the CPU is not in codecarbon's public results: its CPU object's mode ("unknown" if that changes)
     cpu_mode = next((getattr(h, "_mode", None) for h in getattr(tracker, "_hardware", ())
                      if type(h).__name__ == "CPU"), None)
     cpu = f"CPU {data.cpu_model}: {CPU_METHODS.get(cpu_mode, cpu_mode or 'unknown')}, {data.cpu_power:.1f} W"

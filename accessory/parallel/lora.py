@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from accessory.parallel.context import ParallelContext
-from accessory.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from accessory.parallel.layers import ColumnParallelLinear, RowParallelLinear, Shard
 
 
 class ReplicatedLinear(nn.Module):
@@ -36,14 +36,15 @@ class ReplicatedLinear(nn.Module):
 
 class LoraColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, gather_output: bool = False,
-                 parts: Optional[int] = None, *, lora_rank: int = 0, bias: bool = False):
-        super().__init__(in_features, out_features, ctx, gather_output, parts, bias=bias)
+                 parts: Optional[int] = None, *, lora_rank: int = 0, bias: bool = False,
+                 shard: Optional[Shard] = None):
+        super().__init__(in_features, out_features, ctx, gather_output, parts, bias=bias, shard=shard)
         self.lora_a: Optional[nn.Module] = None
         self.lora_b: Optional[nn.Module] = None
         if lora_rank > 0:
             self.lora_a = ReplicatedLinear(in_features, lora_rank)
-            # the same partitions as W (KV heads replicated alike when ranks outnumber them), never gathered itself
-            self.lora_b = ColumnParallelLinear(lora_rank, out_features, ctx, parts=parts)
+            # the same rows as W (its heads, KV heads replicated alike when ranks outnumber them), never gathered
+            self.lora_b = ColumnParallelLinear(lora_rank, out_features, ctx, parts=parts, shard=shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.biased(self.project(x))  # (..., local outputs)
@@ -60,13 +61,13 @@ class LoraColumnParallelLinear(ColumnParallelLinear):
 
 class LoraRowParallelLinear(RowParallelLinear):
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, *, lora_rank: int = 0,
-                 bias: bool = False):
-        super().__init__(in_features, out_features, ctx)
+                 bias: bool = False, shard: Optional[Shard] = None):
+        super().__init__(in_features, out_features, ctx, shard=shard)
         self.lora_a: Optional[nn.Module] = None
         self.lora_b: Optional[nn.Module] = None
         if lora_rank > 0:
             # Its weight (rank, local inputs) is used below; its partial products are reduced together with W's.
-            self.lora_a = RowParallelLinear(in_features, lora_rank, ctx)
+            self.lora_a = RowParallelLinear(in_features, lora_rank, ctx, shard=shard)  # W's columns, on dim 1 too
             self.lora_b = ReplicatedLinear(lora_rank, out_features)
         self.register_parameter("bias", None)
         if bias:  # replicated (no shard): added once, after the sum over ranks

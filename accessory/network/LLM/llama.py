@@ -20,7 +20,7 @@ from accessory.network.components import (PLAIN, Attention, FeedForward, KVCache
                                         RMSNorm, Segment, decode_mask, prefill_mask, rope_frequencies, rope_table,
                                         window_prefill)
 from accessory.network.vision import ImagePlacement
-from accessory.parallel import ColumnParallelLinear, ParallelContext, ParallelEmbedding
+from accessory.parallel import ColumnParallelLinear, ParallelContext, ParallelEmbedding, head_placement
 from accessory.parallel.quantized_weight import QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,8 @@ class ModelArgs:
     """Model hyper-parameters, as read from params.json / config.json.
 
     Head counts have one meaning each: `n_heads` and `n_kv_heads` are global; `n_local_heads` and
-    `n_local_kv_heads` (per model-parallel rank) live on the attention module; `n_rep = n_heads // n_kv_heads` is how
+    `n_local_kv_heads` (per model-parallel rank, which may differ between ranks: whole GQA groups spread unevenly)
+    live on the attention module; `n_rep = n_heads // n_kv_heads` is how
     many query heads share one KV head.
 
     A family's traits are class attributes, not config keys (a config cannot make LLaMA into Qwen3): a family's
@@ -234,11 +235,14 @@ class ModelArgs:
 
     def parallel_size_problem(self, world: int) -> Optional[str]:
         """Why this model cannot run at `world` model-parallel ranks, or None if it can."""
-        if self.n_heads % world:
-            return f"n_heads ({self.n_heads}) is not divisible by the model-parallel size ({world})"
-        if self.n_kv_heads % world and world % self.n_kv_heads:
-            return (f"n_kv_heads ({self.n_kv_heads}) and the model-parallel size ({world}) must divide one "
-                    f"another (KV heads are split, or replicated when ranks outnumber them)")
+        # Heads go in whole GQA groups, unevenly where needed (parallel/layers.py head_placement).
+        if world > self.n_heads:
+            return f"n_heads ({self.n_heads}) is less than the model-parallel size ({world}): each rank needs a head"
+        if world > self.n_kv_heads and world % self.n_kv_heads:
+            return (f"the model-parallel size ({world}) is more than n_kv_heads ({self.n_kv_heads}) but not a "
+                    f"multiple of it (beyond one KV head per rank, each KV head is copied on as many ranks)")
+        if self.dim % world:
+            return f"dim ({self.dim}) is not divisible by the model-parallel size ({world}) (the embedding's split)"
         return None
 
     def check_parallel_size(self, world: int) -> None:
@@ -446,13 +450,18 @@ class Transformer(nn.Module):
 
     @property
     def cache_nbytes(self) -> int:
-        return sum(layer.attention.cache.nbytes for layer in self.layers if layer.attention.cache is not None)
+        """Bytes of the KV cache on the rank holding the most KV heads: the same on every rank (see below)."""
+        shape = self.cache_shape
+        return 0 if shape is None else shape[0] * self.cache_row_nbytes(shape[1])
 
     def cache_row_nbytes(self, columns: int) -> int:
-        """Bytes one KV-cache row of `columns` positions takes on this rank (every layer's keys and values)."""
-        attn = self.layers[0].attention
+        """Bytes one KV-cache row of `columns` positions takes (every layer's keys and values) on the rank holding
+        the most KV heads, rank 0: with uneven head splits ranks hold different numbers, and what is decided from
+        this (rows kept for the prefix cache, a cache kept between runs) must be decided alike on every rank."""
+        args, attn = self.args, self.layers[0].attention
+        kv_heads = len(head_placement(args.n_heads, args.n_kv_heads, self.ctx.world_size, 0).kv_heads)
         widths = sum(self._cache_columns(window, columns) for window in self.windows)
-        return 2 * attn.n_local_kv_heads * attn.head_dim * widths * self.dtype.itemsize
+        return 2 * kv_heads * attn.head_dim * widths * self.dtype.itemsize
 
     def reusable_prefix(self, length: int, held: int) -> int:
         """How much of a `length`-token prefix shared with a cache row holding `held` tokens can be copied from it

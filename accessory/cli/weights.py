@@ -116,9 +116,11 @@ def add_weights_verb(verbs):
     extract = operations.add_parser("extract", help="fine-tuned - base -> a delta (model-diff) folder")
     add_delta_args(extract, "the fine-tuned checkpoint folder (LLaMA2-Accessory's name for it in extract mode)")
     extract.set_defaults(handler=run_weight_operate, operate_type="extract")
-    merge = operations.add_parser("merge-lora", help="fold a llama_peft checkpoint's LoRA into a plain llama one")
+    merge = operations.add_parser("merge-lora", help="fold a llama_peft checkpoint's LoRA into a plain llama one, or "
+                                  "a Hugging Face PEFT adapter into its base checkpoint")
     merge.add_argument("src", nargs="+", help="the llama_peft checkpoint folder, or its base folder followed by the "
-                       "trainable-only folder(s), later ones overriding earlier ones")
+                       "trainable-only folder(s), later ones overriding earlier ones; or the base checkpoint folder "
+                       "followed by a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)")
     merge.add_argument("dst", help="new plain llama checkpoint folder (must not exist)")
     merge.add_argument("--shards", type=positive_int, help="shard count to save (default: the first source's)")
     merge.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: the base weights' dtype")

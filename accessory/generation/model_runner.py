@@ -73,7 +73,7 @@ class ModelRunner:
             local.append(self._decode(plan.tokens))
         if plan.admit:
             images = plan.images or (None,) * len(plan.admit)
-            local.append(self.prefill(plan.admit, images))
+            local.append(self.prefill(plan.admit, images, plan.adapters))
             if self.proposer is not None:
                 self.proposer.admit(plan.admit, images)
                 self.budgets += [RowBudget(self.engine.speculation_costs()) for _ in plan.admit]
@@ -204,15 +204,17 @@ class ModelRunner:
 
     # ---- 4. packed prefill, reusing cached prefixes -----------------------------------------------------------------
 
-    def prefill(self, admit: tuple[tuple[int, ...], ...], images: tuple) -> torch.Tensor:
-        """Write each prompt (with its image's pixels, or None) into its new row (after the current ones), reusing
-        cached prefixes; this rank's logits (prompts, local vocab) of each prompt's last token."""
+    def prefill(self, admit: tuple[tuple[int, ...], ...], images: tuple, adapters: tuple = ()) -> torch.Tensor:
+        """Write each prompt (with its image's pixels, or None; run with its PEFT adapter, default 0: none) into its
+        new row (after the current ones), reusing cached prefixes; this rank's logits (prompts, local vocab) of
+        each prompt's last token."""
+        adapters = adapters or (0,) * len(admit)
         prompts = [list(p) for p in admit]
         lengths = [len(p) for p in prompts]
         if min(lengths) < 1 or max(lengths) >= self.columns:
             raise ValueError(f"prompt lengths {lengths} must be in 1..{self.columns - 1} (the cache's columns)")
         first = len(self.cached)
-        held = [self._contents(prompt, image) for prompt, image in zip(prompts, images)]
+        held = [self._contents(prompt, image, adapter) for prompt, image, adapter in zip(prompts, images, adapters)]
         plans = (plan_reuse(held, self.cached, self.retained, self.model.reusable_prefix)
                  if self.engine.settings.prefix_cache else [None] * len(prompts))
         self.cached += held
@@ -222,20 +224,23 @@ class ModelRunner:
             self._copy_prefixes([(first + i, plans[i]) for i in wave if plans[i] is not None])
             for group in _packed_groups([lengths[i] - pasts[i] for i in wave], PREFILL_TOKENS):
                 members = [wave[j] for j in group]
-                logits.append(self._prefill_packed([(prompts[i], first + i, pasts[i], images[i]) for i in members]))
+                logits.append(self._prefill_packed([(prompts[i], first + i, pasts[i], images[i], adapters[i])
+                                                    for i in members]))
                 order += members
         self.engine.stats.prefilled_tokens += sum(lengths) - sum(pasts)
         self.engine.stats.reused_tokens += sum(pasts)
         logits = torch.cat(logits)
         return logits if order == sorted(order) else logits[torch.tensor(order, device=logits.device).argsort()]
 
-    def _contents(self, prompt: list[int], image) -> list[int]:
+    def _contents(self, prompt: list[int], image, adapter: int = 0) -> list:
         """What a row holds, as the prefix cache compares it: the prompt's tokens, an image's positions keyed by
-        the image itself (negative: no token has such an id), so that only the same image is ever reused."""
-        if image is None:
-            return prompt
-        key = -1 - image_key(image)
-        return [key if token == self.model.image_token else token for token in prompt]
+        the image itself (negative: no token has such an id), so that only the same image is ever reused. A row
+        run with a PEFT adapter holds other keys and values for the same tokens: its first position is keyed
+        (adapter, token), so only rows of the same adapter share a prefix."""
+        if image is not None:
+            key = -1 - image_key(image)
+            prompt = [key if token == self.model.image_token else token for token in prompt]
+        return [(adapter, prompt[0]), *prompt[1:]] if adapter else prompt
 
     def _copy_prefixes(self, copies: list) -> None:
         """Copy each (row, Reuse)'s prefix from its source row."""
@@ -245,15 +250,16 @@ class ModelRunner:
             for _, plan in copies:
                 self.retained.used(plan.source)
 
-    def _prefill_packed(self, parts: list[tuple[list[int], int, int, Optional[torch.Tensor]]]) -> torch.Tensor:
-        """Prefill (prompt, row, past, image) parts packed into one sequence: each prompt's tokens from `past` on."""
-        tokens = torch.tensor([t for prompt, _, past, _ in parts for t in prompt[past:]], dtype=torch.long,
+    def _prefill_packed(self, parts: list[tuple[list[int], int, int, Optional[torch.Tensor], int]]) -> torch.Tensor:
+        """Prefill (prompt, row, past, image, adapter) parts packed into one sequence: each prompt's tokens from
+        `past` on."""
+        tokens = torch.tensor([t for prompt, _, past, *_ in parts for t in prompt[past:]], dtype=torch.long,
                               device=self.model.device)
         segments, start = [], 0
-        for prompt, row, past, _ in parts:
-            segments.append(Segment(start, len(prompt) - past, row, past))
+        for prompt, row, past, _, adapter in parts:
+            segments.append(Segment(start, len(prompt) - past, row, past, adapter))
             start += len(prompt) - past
-        return self.model.prefill(tokens, segments, [image for *_, image in parts])
+        return self.model.prefill(tokens, segments, [image for _, _, _, image, _ in parts])
 
 
 def compiled(decode, device: torch.device, size_guards: bool = False):

@@ -89,6 +89,7 @@ class Request:
     matcher: Optional[Matcher] = field(default=None, repr=False)  # the constraint the output must match
     # the prompt's image, transformed (C, S, S) on the CPU, filling its image tokens (a vision-language model's)
     image: Optional[torch.Tensor] = field(default=None, repr=False)
+    adapter: int = 0  # the PEFT adapter it runs with (lora_modules: 1, 2, ...), 0: the base model
     # state, kept by the scheduler
     text: Optional[RowText] = field(default=None, repr=False)
     generator: Optional[torch.Generator] = field(default=None, repr=False)

@@ -42,6 +42,7 @@ class Plan:
     images: tuple[Optional[torch.Tensor], ...] = ()
     results: tuple[tuple[tuple[int, ...], int], ...] = ()
     admitted: tuple = ()
+    adapters: tuple[int, ...] = ()  # each admitted prompt's PEFT adapter (Request.adapter); empty when all are 0
 
     @property
     def moves(self) -> bool:
@@ -110,7 +111,8 @@ class Scheduler:
         images = tuple(r.image for r in admitted) if any(r.image is not None for r in admitted) else ()
         plan = Plan(tuple(keep), tuple(r.generated[-1] for r in self.active[:len(keep)]),
                     tuple(tuple(r.tokens) for r in admitted), done, tuple(tuple(r.tokens) for r in self.scoring),
-                    images, results, tuple(r.id for r in admitted))
+                    images, results, tuple(r.id for r in admitted),
+                    tuple(r.adapter for r in admitted) if any(r.adapter for r in admitted) else ())
         return plan, events
 
     def receive_prompt_logits(self, scored: list[torch.Tensor]) -> None:

@@ -26,9 +26,11 @@ log = logging.getLogger(__name__)
 
 class MetaModel(nn.Module):
     def __init__(self, llma: nn.Module, tokenizer: Tokenizer, llama_type: str = "llama",
-                 engine_settings: EngineSettings = EngineSettings(), draft: Optional[nn.Module] = None):
+                 engine_settings: EngineSettings = EngineSettings(), draft: Optional[nn.Module] = None,
+                 adapter_names: Sequence[str] = ()):
         super().__init__()
         self.llma, self.tokenizer, self.llama_type = llma, tokenizer, llama_type
+        self.adapter_names = tuple(adapter_names)  # lora_modules' names: a request's adapter i is names[i - 1]
         self.ctx: ParallelContext = llma.ctx
         # One stop-token set for every call: EOS, and the chat template's end-of-turn token if it has one.
         self.engine = Engine(llma, tokenizer, engine_settings, tokenizer.chat_stop_ids, draft)
@@ -43,7 +45,8 @@ class MetaModel(nn.Module):
                         compile: bool = False, prefix_cache: bool = True,
                         prefix_cache_bytes: int = EngineSettings.prefix_cache_bytes,
                         rank_timeout: float = 60.0, warmup: bool = False,
-                        speculative_config: Optional[dict] = None) -> "MetaModel":
+                        speculative_config: Optional[dict] = None, lora: Optional[PathLike] = None,
+                        lora_modules: Optional[dict[str, PathLike]] = None) -> "MetaModel":
         """Load a checkpoint folder (or a list of folders, later ones overriding earlier ones) onto the
         model-parallel group `mp_group` (default: fairscale's model-parallel group if this process set one up, as
         LLaMA2-Accessory's scripts do with `initialize_model_parallel(n)`; else the torchrun world; else this
@@ -70,6 +73,12 @@ class MetaModel(nn.Module):
         "num_speculative_tokens": K} a draft checkpoint's greedy tokens (same tokenizer, same ranks); {"model":
         "self", "quant": "int4"} the checkpoint itself, loaded quantized, as its own draft. See docs/speculative.md.
 
+        `lora`: a Hugging Face PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) applied
+        to every request, unmerged, in float (a quantized base stays quantized); each rank holds its slice of the
+        factors. `lora_modules` {name: folder}: adapters kept unmerged side by side (`adapter_names`), a request
+        choosing one (the server's `model` field; `Request.adapter` i for the i-th name) or none (the base), rows
+        of different adapters in one batch; not with `compile` or speculative decoding. See docs/python-api.md.
+
         `warmup` (with `compile`): compile every graph the engine will run before returning (`warm_up`), so no
         later call waits on compilation.
 
@@ -84,8 +93,9 @@ class MetaModel(nn.Module):
         loaded = load(pretrained_path, llama_type, llama_config, tokenizer_path, with_visual, max_seq_len, mp_group,
                       dtype, device, quant, max_batch_size=max_batch_size, compile=compile, prefix_cache=prefix_cache,
                       prefix_cache_bytes=prefix_cache_bytes, rank_timeout=rank_timeout,
-                      speculative_config=speculative_config)
-        model = cls(loaded.llma, loaded.tokenizer, loaded.llama_type, loaded.settings, loaded.draft)
+                      speculative_config=speculative_config, lora=lora, lora_modules=lora_modules)
+        model = cls(loaded.llma, loaded.tokenizer, loaded.llama_type, loaded.settings, loaded.draft,
+                    loaded.adapter_names)
         if warmup:
             model.warm_up()
         return model

@@ -189,11 +189,13 @@ class KVCache(nn.Module):
 @dataclass(frozen=True)
 class Segment:
     """One prompt in a packed prefill: tokens[start:start + length] go to KV-cache row `row`, columns past..past +
-    length - 1, and attend to that row's columns 0..past - 1 too (a prefix already in the cache, not recomputed)."""
+    length - 1, and attend to that row's columns 0..past - 1 too (a prefix already in the cache, not recomputed).
+    `adapter`: the PEFT adapter the row runs with (serving's --lora-modules; 0: the base model)."""
     start: int
     length: int
     row: int
     past: int = 0
+    adapter: int = 0
 
 
 def prefill_mask(past: int, length: int, device: torch.device):

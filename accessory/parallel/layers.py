@@ -100,7 +100,16 @@ def partition_index(ctx: ParallelContext, parts: int) -> int:
 
 
 class ParallelWeight(nn.Module):
-    """A layer with a rank's slice of one weight (`weight`, `weight_shard`), float or quantized."""
+    """A layer with a rank's slice of one weight (`weight`, `weight_shard`), float or quantized; and, once a PEFT
+    adapter is attached, its LoRA factors (`adapters`: parallel/lora.py's LoraFactors, else None)."""
+
+    def __init__(self):
+        super().__init__()
+        self.adapters: Optional[nn.Module] = None
+
+    def adapted(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y = x W^T plus the attached adapters' x A^T B^T (a column-parallel layer's: all of it on this rank)."""
+        return y if self.adapters is None else y + self.adapters(x).to(y.dtype)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T with this rank's slice of W."""
@@ -166,7 +175,7 @@ class ColumnParallelLinear(ParallelWeight):
         return weight.device if isinstance(weight, torch.Tensor) else next(weight.buffers()).device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gathered(self.biased(self.project(x)))
+        return self.gathered(self.adapted(x, self.biased(self.project(x))))
 
     def biased(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias
@@ -195,6 +204,7 @@ class FusedColumns(nn.Module):
     def __init__(self, layers: list[ColumnParallelLinear]):
         super().__init__()
         self.sizes = [layer.weight.shape[0] for layer in layers]
+        self.layers = tuple(layers)  # not registered (they are the model's own): for their adapters, if attached
         self.register_buffer("bias", None, persistent=False)
         if layers[0].bias is not None:
             self.bias = torch.cat([layer.bias.data for layer in layers])
@@ -228,7 +238,7 @@ class FusedColumns(nn.Module):
             y = quantized_linear(x, self.fmt, self.q, getattr(self, "scale", None), getattr(self, "min", None))
         if self.bias is not None:
             y = y + self.bias
-        return list(y.split(self.sizes, dim=-1))
+        return [layer.adapted(x, part) for layer, part in zip(self.layers, y.split(self.sizes, dim=-1))]
 
 
 class RowParallelLinear(ParallelWeight):
@@ -244,7 +254,13 @@ class RowParallelLinear(ParallelWeight):
         self.weight = nn.Parameter(torch.empty(out_features, self.weight_shard.local_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ctx.all_reduce(self.project(x))
+        y = self.project(x)  # (..., out), this rank's partial sum
+        if self.adapters is None:
+            return self.ctx.all_reduce(y)
+        # The adapters' partial sums x A^T (A split by inputs like W) are reduced with W's in one all-reduce.
+        both = self.ctx.all_reduce(torch.cat((y, self.adapters.down(x).to(y.dtype)), dim=-1))
+        y, low = both.split([y.shape[-1], both.shape[-1] - y.shape[-1]], dim=-1)
+        return y + self.adapters.up(low).to(y.dtype)
 
     def align_(self, align: int) -> None:
         self.refuse_recut()

@@ -91,3 +91,59 @@ class LoraRowParallelLinear(RowParallelLinear):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+
+# ---- PEFT adapters on any parallel linear (from_pretrained(lora=...), serving --lora-modules) --------------------
+
+class AdapterRouting:
+    """Which adapter each token of the forward pass running now uses, when several adapters are held unmerged and
+    chosen per request (`--lora-modules`): adapter ids shaped like the tokens, (B, L), with 0 for none; and each
+    KV-cache row's adapter (`rows`), which moves with the row. The Transformer sets `tokens` before its layers run;
+    every `LoraFactors` reads it."""
+
+    def __init__(self):
+        self.tokens: Optional[torch.Tensor] = None  # None: no token uses a per-request adapter (scoring)
+        self.rows: Optional[torch.Tensor] = None  # (cache rows,) adapter ids
+
+    def set_rows(self, count: int, device: torch.device) -> None:
+        self.rows = torch.zeros(count, dtype=torch.long, device=device)
+
+    def move_rows(self, dst: list[int], src: list[int]) -> None:
+        self.rows[dst] = self.rows[src].clone()  # cloned first: a row may be both a source and a destination
+
+
+class LoraFactors(nn.Module):
+    """This rank's slices of the LoRA adapters on one linear layer, held unmerged in float (the layer's own weight
+    may be quantized): y += (x A^T) B^T per adapter, its scaling folded into B. The adapters' factors are
+    concatenated along the LoRA rank: `a` (R, local inputs), `b` (local outputs, R); `owner` (R,) is the adapter
+    each of the R rank columns belongs to: 0 for one applied to every token (`lora=`), i > 0 for one applied only
+    to the tokens `routing` assigns to adapter i. So rows of several adapters and of the base model run in one
+    batch, in one product, with shapes that do not depend on which rows use which adapter.
+
+    A column-parallel layer holds B's rows for its outputs and all of A; a row-parallel one A's columns for its
+    inputs and all of B (its partial products x A^T are summed with the layer's own: `down`, then `up`)."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, owner: torch.Tensor, routing: Optional[AdapterRouting]):
+        super().__init__()
+        self.register_buffer("a", a, persistent=False)
+        self.register_buffer("b", b, persistent=False)
+        self.register_buffer("owner", owner, persistent=False)
+        self.routing = routing
+        self.every_token = bool((owner == 0).all())  # no per-request adapter: no mask
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(self.down(x))
+
+    def down(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., local inputs) -> (..., R): on a row-parallel layer, this rank's partial sum."""
+        return F.linear(x.to(self.a.dtype), self.a)
+
+    def up(self, low: torch.Tensor) -> torch.Tensor:
+        """(..., R), summed over ranks -> (..., local outputs), each token through its own adapters only."""
+        if not self.every_token:
+            tokens = self.routing.tokens
+            chosen = self.owner == 0
+            if tokens is not None:
+                chosen = chosen | (self.owner == tokens[..., None])  # (..., R)
+            low = low * chosen.to(low.dtype)
+        return F.linear(low, self.b)

@@ -14,6 +14,7 @@ from torch import nn
 from accessory.checkpoint.config import CheckpointSpec, read_spec, resolved_config
 from accessory.checkpoint.direct import imported
 from accessory.checkpoint.load import load_weights
+from accessory.checkpoint.peft_adapter import attach_adapters, read_adapter
 from accessory.errors import ConfigError, TokenizerError
 from accessory.generation.batch_size import AUTO, auto_batch_size
 from accessory.generation.engine import EngineSettings
@@ -42,6 +43,7 @@ class Loaded:
     llama_type: str
     settings: EngineSettings
     draft: Optional[nn.Module] = None
+    adapter_names: tuple[str, ...] = ()  # the per-request adapters (lora_modules): name of adapter 1, 2, ...
 
 
 def load(pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optional[str] = None,
@@ -50,7 +52,8 @@ def load(pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optio
          dtype: Union[None, str, torch.dtype] = None, device: Union[None, str, torch.device] = None,
          quant: Union[bool, None, str] = False, *, max_batch_size: Union[int, str] = 32, compile: bool = False,
          prefix_cache: bool = True, prefix_cache_bytes: int = EngineSettings.prefix_cache_bytes,
-         rank_timeout: float = 60.0, speculative_config: Optional[dict] = None) -> Loaded:
+         rank_timeout: float = 60.0, speculative_config: Optional[dict] = None, lora: Optional[PathLike] = None,
+         lora_modules: Optional[dict[str, PathLike]] = None) -> Loaded:
     """`MetaModel.from_pretrained` without the warm-up (its docstring says what each argument means)."""
     folders = [imported(Path(p)) for p in ([pretrained_path] if isinstance(pretrained_path, (str, Path))
                                            else pretrained_path)]
@@ -59,6 +62,7 @@ def load(pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optio
     settings = EngineSettings(max_batch_size=1 if auto_rows else max_batch_size, compile=compile,  # checked now
                               prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes,
                               speculative=speculative)
+    adapters = adapter_paths(lora, lora_modules, compile, speculative)
     if mp_group is None:
         init_distributed()  # a script started by torchrun needs no set-up of its own
         mp_group = fairscale_model_parallel_group()
@@ -81,7 +85,7 @@ def load(pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optio
     draft_folders = None
     if speculative is not None and speculative.model is not None:
         draft_folders = folders if speculative.model == "self" else [imported(Path(speculative.model))]
-    llma = load_network(folders, spec, tokenizer, ctx, max_seq_len, dtype, device, quant)
+    llma = load_network(folders, spec, tokenizer, ctx, max_seq_len, dtype, device, quant, adapters)
     draft = None
     if draft_folders is not None:
         draft_spec = spec
@@ -96,13 +100,31 @@ def load(pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optio
     if auto_rows:
         reserved = settings.prefix_cache_bytes if settings.prefix_cache else 0
         settings = replace(settings, max_batch_size=auto_batch_size(llma, reserved))
-    return Loaded(llma, tokenizer, spec.llama_type, settings, draft)
+    return Loaded(llma, tokenizer, spec.llama_type, settings, draft, tuple(lora_modules or ()))
+
+
+def adapter_paths(lora: Optional[PathLike], lora_modules: Optional[dict[str, PathLike]], compile: bool,
+                  speculative: Optional[SpeculativeConfig]) -> list[tuple[int, Path]]:
+    """(owner, folder) of each PEFT adapter to attach (checkpoint/peft_adapter.py): `lora` for every token (owner
+    0), `lora_modules`' in their order for the requests that name them (owners 1, 2, ...)."""
+    modules = dict(lora_modules or {})
+    for name in modules:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"lora_modules names must be non-empty strings, got {name!r}")
+    if modules and (compile or speculative is not None):
+        raise ConfigError("lora_modules (adapters chosen per request) run eagerly and without speculative "
+                          "decoding; drop compile / speculative_config, or merge the adapter (accessory weights "
+                          "merge-lora) or load it for every request (lora=)")
+    adapters = [(0, Path(lora))] if lora is not None else []
+    return adapters + [(owner, Path(path)) for owner, path in enumerate(modules.values(), start=1)]
 
 
 def load_network(folders: list[Path], spec: CheckpointSpec, tokenizer: Tokenizer, ctx: ParallelContext,
-                 max_seq_len: int, dtype: torch.dtype, device: torch.device, quant) -> nn.Module:
+                 max_seq_len: int, dtype: torch.dtype, device: torch.device, quant,
+                 adapters: Sequence[tuple[int, Path]] = ()) -> nn.Module:
     """The network of `folders` (read as `spec`), built on the meta device, quantized as `quant` says, with this
-    rank's slice of every weight, in eval mode."""
+    rank's slice of every weight, in eval mode; with the PEFT `adapters` ((owner, folder): adapter_paths) attached
+    unmerged, in float."""
     model_args, transformer = model_classes(spec.llama_type)
     config = resolved_config({**spec.config, "max_seq_len": max_seq_len}, tokenizer, str(folders[-1]))
     args = model_args.from_dict(config, source=f"config of {folders[-1]}")
@@ -127,14 +149,17 @@ def load_network(folders: list[Path], spec: CheckpointSpec, tokenizer: Tokenizer
     error = None
     try:
         load_weights(llma, folders, progress=ctx.is_source)
+        if adapters:
+            attach_adapters(llma, [(owner, read_adapter(path, args)) for owner, path in adapters])
     except Exception as e:  # every rank must hear of it, or the others would wait in the next collective
         error = e
     ctx.raise_if_any_failed(error)
     return_freed_memory()
     if device.type == "cpu":
         log.debug("%d MiB of weights on huge pages", back_with_huge_pages(llma) >> 20)
-    log.info("loaded %s (%s%s) at %d model-parallel rank(s), %s on %s", folders[-1], spec.llama_type,
-             f", {describe(formats)}" if formats else "", ctx.world_size, dtype, device)
+    log.info("loaded %s (%s%s) at %d model-parallel rank(s), %s on %s%s", folders[-1], spec.llama_type,
+             f", {describe(formats)}" if formats else "", ctx.world_size, dtype, device,
+             f", PEFT adapter(s) {[str(path) for _, path in adapters]}" if adapters else "")
     return llma.eval()
 
 

@@ -120,17 +120,20 @@ def create_app(service: Union[GenerationService, ServiceSlot, None], model_name:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card(model_name, slot.get())]}
+        service = slot.get()
+        return {"object": "list", "data": [model_card(name, service, model_name)
+                                           for name in (model_name, *service.model.adapter_names)]}
 
     @app.get("/v1/models/{name}")
     async def model(name: str):
-        check_model(name, model_name)
-        return model_card(model_name, slot.get())
+        service = slot.get()
+        check_model(name, model_name, service.model.adapter_names)
+        return model_card(name, service, model_name)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         service = slot.get()
-        options = check_common(body, model_name, service.rows)
+        options = check_common(body, model_name, service.rows, service.model.adapter_names)
         if body.suffix:
             raise APIError(400, "suffix: inserting text (fill-in-the-middle) is not supported", param="suffix")
         if body.best_of not in (None, body.n):
@@ -152,12 +155,12 @@ def create_app(service: Union[GenerationService, ServiceSlot, None], model_name:
         tokenizer = service.model.tokenizer
         echoes = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts] if body.echo else []
         return await respond(Completion(tokenizer, echoes, body.n), body, handle, request,
-                             head(model_name, service, handle, request))
+                             head(body.model, service, handle, request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         service = slot.get()
-        options = check_common(body, model_name, service.rows)
+        options = check_common(body, model_name, service.rows, service.model.adapter_names)
         messages, image = chat_messages(body.messages, service.model.llma.image_tokens > 0)
         tools = chat_tools(body)
         limit = body.max_completion_tokens or body.max_tokens
@@ -173,14 +176,14 @@ def create_app(service: Union[GenerationService, ServiceSlot, None], model_name:
 
         handle = await submit(make, body)
         return await respond(Chat(service.model.tokenizer), body, handle, request,
-                             head(model_name, service, handle, request))
+                             head(body.model, service, handle, request))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         service = slot.get()
         tokenizer = service.model.tokenizer
         if body.model is not None:
-            check_model(body.model, model_name)
+            check_model(body.model, model_name, service.model.adapter_names)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", param="prompt")
         if body.prompt is not None:
@@ -203,7 +206,7 @@ def create_app(service: Union[GenerationService, ServiceSlot, None], model_name:
     async def detokenize(body: DetokenizeRequest):
         service = slot.get()
         if body.model is not None:
-            check_model(body.model, model_name)
+            check_model(body.model, model_name, service.model.adapter_names)
         check_token_ids(body.tokens, service.vocab_size, "tokens")
         return {"prompt": service.model.tokenizer.decode(body.tokens)}
 

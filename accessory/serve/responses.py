@@ -20,8 +20,10 @@ def head(model_name: str, service: GenerationService, handle: Handle, request: R
             "system_fingerprint": system_fingerprint(service, model_name)}
 
 
-def model_card(name: str, service: GenerationService) -> dict:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "accessory", "max_model_len": service.columns}
+def model_card(name: str, service: GenerationService, served: str) -> dict:
+    """/v1/models' entry for the served model `served` or one of its LoRA adapters (vLLM's: with its `parent`)."""
+    card = {"id": name, "object": "model", "created": 0, "owned_by": "accessory", "max_model_len": service.columns}
+    return card if name == served else {**card, "parent": served}
 
 
 @functools.lru_cache(maxsize=8)

@@ -180,11 +180,12 @@ class GenerationService:
     def submit_prompts(self, prompts: list[list[int]], sampling: Optional[dict] = None, stop: Sequence[str] = (),
                        loop: Optional[asyncio.AbstractEventLoop] = None, n: int = 1,
                        constraint: Optional[Constraint] = None, label: Optional[str] = None,
-                       user: Optional[str] = None, images: Optional[list] = None) -> Handle:
+                       user: Optional[str] = None, images: Optional[list] = None, adapter: int = 0) -> Handle:
         """Queue `n` samples of a completion of each prompt: the handle's choice i * n + j is prompt i's sample j,
         whose seed is `row_seeds(seed, n)[j]` (so each is what that prompt alone gives, and sample 0 what n=1
         gives). Each is held to `constraint` if one is given. `label` (default: the request's id) and `user` name
-        it in its log line. `images`: one per prompt (pixels or None), as `MetaModel.generate` takes them."""
+        it in its log line. `images`: one per prompt (pixels or None), as `MetaModel.generate` takes them.
+        `adapter`: the PEFT adapter the completions run with (i: the model's i-th lora_modules; 0: none)."""
         if not self.ctx.is_source:
             raise RuntimeError("requests are submitted on the model-parallel source rank only")
         sampling = dict(sampling or {})
@@ -202,6 +203,7 @@ class GenerationService:
         seeds = row_seeds(secrets.randbits(62) if seed is None else seed, n)
         sampling["logit_bias"] = self._logit_bias(sampling.get("logit_bias") or {})
         images = self.model.checked_images(images, len(prompts))
+        self._check_adapter(adapter, sampling)
         params = [self._params(tokens, sampling, i if len(prompts) > 1 else None) for i, tokens in enumerate(prompts)]
         matchers = [self._matcher(constraint) for _ in range(count)]  # a schema that cannot compile raises here
         with self._lock:
@@ -214,12 +216,20 @@ class GenerationService:
                             self.scheduler.cancel, loop)
             self._handles.update(dict.fromkeys(handle.ids, handle))
             rows = [Request(handle.ids[k], prompts[k // n], params[k // n], seeds[k % n], [s for s in stop if s],
-                            matchers[k], image=images[k // n]) for k in range(count)]
+                            matchers[k], image=images[k // n], adapter=adapter) for k in range(count)]
             if self.metrics is not None:
                 self._timings[handle.id] = Timing(label or handle.id, handle.prompt_tokens, rows, user)
         for row in rows:
             self.scheduler.add(row)
         return handle
+
+    def _check_adapter(self, adapter: int, sampling: dict) -> None:
+        names = self.model.adapter_names
+        if not isinstance(adapter, int) or isinstance(adapter, bool) or not 0 <= adapter <= len(names):
+            raise ValueError(f"adapter must be 0 (none) or 1..{len(names)} (the model's lora_modules {list(names)}), "
+                             f"got {adapter!r}")
+        if adapter and sampling.get("prompt_logprobs") is not None:  # the engine scores prompts with the base
+            raise ValueError("prompt log-probabilities (echo with logprobs) are not available with a LoRA adapter")
 
     def _params(self, tokens: list[int], sampling: dict, index: Optional[int]) -> SamplingParams:
         """The prompt's sampling parameters (max_gen_len: by default the rest of the window); it must fit."""

@@ -2,7 +2,7 @@
 constraint, prompts, chat messages and their image, tools); whatever it cannot take is an APIError naming the field."""
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 from pydantic import BaseModel, ValidationError
 
@@ -13,19 +13,25 @@ from accessory.serve.images import ImageRef
 from accessory.serve.schemas import PART_MODELS, ChatRequest, ImagePart, Message, OtherPart, SamplingFields, TextPart
 
 
-def check_model(name: str, served: str) -> None:
-    if name != served:
-        raise APIError(404, f"the model {name!r} does not exist; this server serves {served!r}", param="model",
-                       code="model_not_found")
+def check_model(name: str, served: str, adapters: Sequence[str] = ()) -> int:
+    """The PEFT adapter a request's `model` names: 0 for the served model itself, i for the i-th of its
+    --lora-modules; else OpenAI's 404 model_not_found."""
+    if name == served:
+        return 0
+    if name in adapters:
+        return list(adapters).index(name) + 1
+    serves = repr(served) if not adapters else f"{served!r} and its LoRA adapters {list(adapters)}"
+    raise APIError(404, f"the model {name!r} does not exist; this server serves {serves}", param="model",
+                   code="model_not_found")
 
 
-def check_common(body: SamplingFields, served: str, rows: int) -> dict:
-    """Check what both endpoints share; the service's options for `n` and the constraint."""
-    check_model(body.model, served)
+def check_common(body: SamplingFields, served: str, rows: int, adapters: Sequence[str] = ()) -> dict:
+    """Check what both endpoints share; the service's options for `n`, the constraint and the adapter."""
+    adapter = check_model(body.model, served, adapters)
     if body.n > rows:
         raise APIError(400, f"n: at most {rows} samples per request (the server's --max-batch-size), got {body.n}",
                        param="n")
-    return {"n": body.n, "constraint": constraint_of(body)}
+    return {"n": body.n, "constraint": constraint_of(body), "adapter": adapter}
 
 
 def constraint_fields(body: SamplingFields) -> list[str]:

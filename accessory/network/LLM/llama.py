@@ -20,7 +20,8 @@ from accessory.network.components import (PLAIN, Attention, FeedForward, KVCache
                                         RMSNorm, Segment, decode_mask, prefill_mask, rope_frequencies, rope_table,
                                         window_prefill)
 from accessory.network.vision import ImagePlacement
-from accessory.parallel import ColumnParallelLinear, ParallelContext, ParallelEmbedding, head_placement
+from accessory.parallel import (AdapterRouting, ColumnParallelLinear, ParallelContext, ParallelEmbedding,
+                                head_placement)
 from accessory.parallel.quantized_weight import QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -298,6 +299,10 @@ class Transformer(nn.Module):
     weights into it. Three entry points share the weights: `forward` (scoring whole sequences), `prefill` and
     `decode` (the engine's, on the KV cache; they return this rank's slice of the logits, ungathered)."""
 
+    # Per-request PEFT adapters (checkpoint/peft_adapter.py attaches them): which adapter each token and cache row
+    # runs with; None without them.
+    adapter_routing: Optional[AdapterRouting] = None
+
     def __init__(self, args: ModelArgs, ctx: ParallelContext):
         super().__init__()
         args.check_parallel_size(ctx.world_size)
@@ -432,6 +437,8 @@ class Transformer(nn.Module):
             attn.cache = KVCache(rows, attn.n_local_kv_heads, width, attn.head_dim, self.dtype, self.device,
                                  ring=width < columns)
         self._columns = columns
+        if self.adapter_routing is not None:
+            self.adapter_routing.set_rows(rows, self.device)
 
     @staticmethod
     def _cache_columns(window: Optional[int], columns: int) -> int:
@@ -475,6 +482,8 @@ class Transformer(nn.Module):
     def move_cache_rows(self, dst: list[int], src: list[int], end: int) -> None:
         for layer in self.layers:
             layer.attention.cache.move_rows(dst, src, end)
+        if self.adapter_routing is not None:
+            self.adapter_routing.move_rows(dst, src)
 
     # ---- the three entry points ------------------------------------------------------------------------------
 
@@ -504,6 +513,8 @@ class Transformer(nn.Module):
         """Float32 logits (B, L, vocab) of whole sequences (B, L) from position 0, on every rank; nothing is
         cached (scoring). `images`: where images go."""
         h = self.embed(tokens, images)
+        if self.adapter_routing is not None:
+            self.adapter_routing.tokens = None  # scoring runs the base model (and an adapter every token uses)
         for layer, rotations in zip(self.layers, self._rotations(slice(0, tokens.shape[1]))):
             h = layer(h, rotations[None])
         return self.output.gathered(self._logits(h))
@@ -525,10 +536,18 @@ class Transformer(nn.Module):
         placements = [ImagePlacement(0, seg.start, seg.start + seg.length, pixels)
                       for seg, pixels in zip(segments, images) if pixels is not None]
         h = self.embed(tokens[None], placements)  # (1, T, dim)
+        if self.adapter_routing is not None:
+            self._route_prefill(segments, device)
         for layer, window, rotations in zip(self.layers, self.windows, self._rotations(positions)):
             h = layer.prefill(h, rotations[None], rows, positions, segments, masks[window])
         last = torch.tensor([seg.start + seg.length - 1 for seg in segments], device=device)
         return self._logits(h[0, last])
+
+    def _route_prefill(self, segments: list[Segment], device: torch.device) -> None:
+        """Per-request adapters: each prompt's tokens run with its row's adapter, which the row keeps."""
+        routing = self.adapter_routing
+        routing.tokens = torch.tensor([[seg.adapter for seg in segments for _ in range(seg.length)]], device=device)
+        routing.rows[[seg.row for seg in segments]] = torch.tensor([seg.adapter for seg in segments], device=device)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """One token per cache row 0..B-1: tokens and positions (B,), mask (B, 1, 1, C) from `decode_mask`. This
@@ -552,6 +571,8 @@ class Transformer(nn.Module):
     def _decode_rows(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """tokens and positions (B, L), mask (B, 1, L, C) -> this rank's logits (B, L, local vocab)."""
         h = self._scaled(self.tok_embeddings(tokens, self.dtype))  # (B, L, dim)
+        if self.adapter_routing is not None:  # each row's adapter, for each of its L tokens
+            self.adapter_routing.tokens = self.adapter_routing.rows[:tokens.shape[0], None].expand(tokens.shape)
         masks = {None: mask}
         for layer, window in zip(self.layers, self.windows):  # a ring's written columns: (B, 1, 1, its columns)
             if window is not None and window not in masks:

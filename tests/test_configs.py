@@ -123,8 +123,8 @@ def test_config_for_the_demos(tmp_path):
     ("max_batch_sise: 8\n", r"run.yaml: unknown key 'max_batch_sise'; accessory generate takes: .*max_batch_size"),
     ("max_queue: 8\n", r"run.yaml: 'max_queue' is a flag of accessory serve, not of accessory generate"),
     ("mp: 2\n", r"run.yaml: 'mp' is a flag of accessory batch, not of accessory generate"),
-    ("max_batch_size: 0\n", r"run.yaml: max_batch_size: must be a positive integer, got 0"),
-    ("max_batch_size: eight\n", r"run.yaml: max_batch_size: must be a positive integer, got eight"),
+    ("max_batch_size: 0\n", r"run.yaml: max_batch_size: must be a positive integer or auto, got 0"),
+    ("max_batch_size: eight\n", r"run.yaml: max_batch_size: must be a positive integer or auto, got eight"),
     ("max_batch_size: [8]\n", r"run.yaml: max_batch_size: expected one value .*got \[8\]"),
     ("temperature: warm\n", r"run.yaml: temperature: must be a finite number >= 0, got warm"),
     ("seed: 1.5\n", r"run.yaml: seed: expected int, got 1.5"),
@@ -136,8 +136,8 @@ def test_config_for_the_demos(tmp_path):
     ("- max_batch_size: 8\n", r"--config .*run.yaml: expected a mapping of flag names to values .*found a list"),
     ("max_batch_size: [8\n", r"--config .*run.yaml: not valid YAML"),
     # a value or key is quoted clipped, whatever its size or depth
-    ("max_batch_size: " + "9" * 100_000 + "x\n", r"run.yaml: max_batch_size: must be a positive integer, got 9{100}"
-                                               r"9*\.\.\. \(100[0-9]{3} characters\)$"),
+    ("max_batch_size: " + "9" * 100_000 + "x\n",
+     r"run.yaml: max_batch_size: must be a positive integer or auto, got 9{100}9*\.\.\. \(100[0-9]{3} characters\)$"),
     ("max_batch_size: [" + "[" * 10 + "1" + "]" * 10 + "]\n", r"got \[\[\[\[\.\.\.\]\]\]\]$"),
     ("? " + "x" * 100_000 + "\n: 1\n", r"run.yaml: unknown key 'x+\.\.\.x+'; accessory generate takes"),
 ])

@@ -18,7 +18,6 @@ Both are reachable from torch.compile's graphs: the kernels are torch operators 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 from typing import Iterator, Optional, Union
 
@@ -40,23 +39,24 @@ BLOCK_KERNEL_MAX_ROWS = 128
 CHUNK_BYTES = 8 << 20  # float32 bytes of W dequantized at once on the portable path
 
 
-_portable_only = contextvars.ContextVar("portable_only", default=False)
+_portable_blocks = 0  # `portable()` blocks open: a plain global, which torch.compile reads (not a ContextVar)
 
 
 @contextlib.contextmanager
 def portable() -> Iterator[None]:
     """Every operation by its portable torch path inside this block: what an exporter traces (ONNX holds no
     custom operator). The kernels' row and length tests are skipped too, so a traced size stays symbolic."""
-    token = _portable_only.set(True)
+    global _portable_blocks
+    _portable_blocks += 1
     try:
         yield
     finally:
-        _portable_only.reset(token)
+        _portable_blocks -= 1
 
 
 def _kernels_here(device: torch.device) -> bool:
     # Under torch.compile only kernels already loaded are used (loading a model on the CPU loads them).
-    if _portable_only.get():
+    if _portable_blocks:
         return False
     return device.type == "cpu" and (loaded() if torch.compiler.is_compiling() else cpu_kernels())
 

@@ -63,6 +63,14 @@ def sse_lines(client, body: dict) -> list[str]:
         return [line[6:] for line in streamed.iter_lines() if line.startswith("data: ")]
 
 
+def test_an_empty_assistant_message_alone_is_a_400_naming_messages(api):
+    """Was a 500 (an IndexError once the empty turn was dropped), found by tests/test_fuzz.py's schemathesis."""
+    answer = api.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 3,
+                                                    "messages": [{"role": "assistant", "content": ""}]})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["message"] == "messages: an empty assistant message alone leaves nothing to reply to"
+
+
 # ---- structured output ---------------------------------------------------------------------------------------------
 
 def test_grammar_engine_refusals_are_400s_naming_the_field(api):

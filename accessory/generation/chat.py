@@ -51,6 +51,8 @@ def render_chat(tokenizer, messages: list[dict], template: Optional[str] = None,
     messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
     if messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
         messages = messages[:-1]  # nothing to continue: a new reply
+        if not messages:
+            raise ValueError("messages: an empty assistant message alone leaves nothing to reply to")
     continuing = messages[-1]["role"] == "assistant"
     if template is None and tokenizer.has_chat_template:
         def rendered(shown: list[dict], with_tools: bool = True) -> str:

@@ -299,8 +299,8 @@ def ours_runner(spec: str, bench_model: Model, prompts: list[str], n: int):
         record["requests"] = requests
         yield from stream(engine, requests)
 
-    def counting_step(scheduler, logits):  # the source rank's steps
-        plan, events = step(scheduler, logits)
+    def counting_step(scheduler, logits, *proposals):  # the source rank's steps
+        plan, events = step(scheduler, logits, *proposals)
         record["steps"] += bool(plan.keep or plan.admit)
         if record["prefill"] is None and all(r.generated for r in record["requests"]):
             record["prefill"] = time.perf_counter()

@@ -1,5 +1,5 @@
 """Wall time of a fresh `accessory generate` process for a one-line answer: eager, against --compile with the
-decode step's package already in the cache (compile once, run many: accessory/generation/packaged_decode.py), and
+decode step's package already in the cache (compile once, run many: accessory/generation/packaged_steps.py), and
 optionally against --compile with an empty package cache (`--cold`: the one-time compilation).
 
 Each run is a new process (`python -m accessory generate --prompt ... --max_gen_len N [--quant Q] [--compile]`) on

@@ -83,18 +83,18 @@ class StepRows:
 
 class CompiledSteps(logging.Handler):
     """What compiling the decode step makes within it, in this process: torch.compile's graphs (dynamo's count of
-    unique graphs) plus the AOTInductor packages the CPU engine compiles or loads (packaged_decode.py logs each,
-    its path the second argument; a package loaded again counts once). `count` is their sum."""
+    unique graphs) plus the AOTInductor packages the CPU engine compiles or loads (packaged_steps.py logs each,
+    its path the fourth argument; a package loaded again counts once). `count` is their sum."""
 
-    LOGGER = "accessory.generation.packaged_decode"
+    LOGGER = "accessory.generation.packaged_steps"
 
     def __init__(self):
         super().__init__(logging.INFO)
         self.packages: set[str] = set()
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.getMessage().startswith(("compiled the decode step for rows", "loaded the compiled decode step")):
-            self.packages.add(str(record.args[1]))
+        if record.getMessage().startswith(("compiled the ", "loaded the compiled ")):
+            self.packages.add(str(record.args[3]))
 
     @staticmethod
     def graphs() -> int:

@@ -1,5 +1,6 @@
-"""`accessory compile`: compile a checkpoint's CPU decode step ahead of time, into the packages that every later
-`--compile` run with the same model and settings loads instead of compiling (generation/packaged_decode.py)."""
+"""`accessory compile`: compile a checkpoint's CPU decode step (and with --speculative-config, its verify step) ahead
+of time, into the packages that every later `--compile` run with the same model and settings loads instead of
+compiling (generation/packaged_steps.py)."""
 from __future__ import annotations
 
 from accessory.cli.options import add_model_args
@@ -15,16 +16,22 @@ def add_compile_verb(verbs) -> None:
 
 
 def run_compile(args) -> None:
-    from accessory.generation.packaged_decode import PackagedDecode
+    from accessory.generation.packaged_steps import PackagedStep
 
     args.compile = True
     model = load_model(args)
-    step = model.engine.decode_step
-    if not isinstance(step, PackagedDecode):
+    engine = model.engine
+    if not isinstance(engine.decode_step, PackagedStep):
         raise ConfigError(f"accessory compile makes the CPU's packages; on {model.llma.device.type}, --compile "
                           f"compiles with torch.compile in each process")
-    paths = step.prepare(model.max_batch_size)  # --max_batch_size auto: the loaded model's pick
+    engines = [engine] if engine.draft is None else [engine, engine.draft]  # a draft model's steps too
+    sizes = [(e.decode_step, model.max_batch_size) for e in engines]  # --max_batch_size auto: the loaded model's pick
+    if engine.settings.speculative is not None:  # one row's verify steps: its token and proposals (a draft catching up)
+        sizes += [(e.verify_step, 1 + engine.settings.speculative.num_speculative_tokens) for e in engines]
+    steps = [step for step, _ in sizes]
+    paths = [path for step, most in sizes for path in step.prepare(most)]
     if model.ctx.is_source:
-        print(f"key {paths[0].parent.name}: {step.builds} compiled, {step.loads} already there", flush=True)
+        print(f"key {paths[0].parent.name}: {sum(s.builds for s in steps)} compiled, "
+              f"{sum(s.loads for s in steps)} already there", flush=True)
         for path in paths:
             print(path, flush=True)

@@ -29,9 +29,9 @@ import torch
 
 from accessory.errors import ConfigError, RanksDisagree
 from accessory.generation.draft import DraftProposer
-from accessory.generation.model_runner import MIN_COLUMNS, ModelRunner, compiled
+from accessory.generation.model_runner import MIN_COLUMNS, ModelRunner
 from accessory.network.components import decode_mask
-from accessory.generation.packaged_decode import compiled_decode
+from accessory.generation.packaged_steps import compiled_step
 from accessory.generation.requests import Event, Request
 from accessory.generation.scheduler import Follower, Plan, Scheduler
 from accessory.generation.speculative import NgramProposer, SpeculativeConfig
@@ -89,10 +89,9 @@ class Engine:
         if settings.compile and model.device.type == "cpu" and not shutil.which(os.environ.get("CXX", "c++")):
             raise ConfigError("compile=True on the CPU needs a C++ compiler (torch's inductor writes C++): install "
                               "one (g++), or run without --compile")
-        self.decode_step = compiled_decode(model) if settings.compile else model.decode
+        self.decode_step = compiled_step(model, "decode") if settings.compile else model.decode
         # several tokens per row (speculative decoding; a draft catching up), compiled lazily: at its first call
-        self.verify_step = compiled(model.verify, model.device, size_guards=True) if settings.compile \
-            else model.verify
+        self.verify_step = compiled_step(model, "verify") if settings.compile else model.verify
         # The ids it samples from: the model's rows the tokenizer can write. LLaVA pads its table past the
         # tokenizer's (32064 rows, 32002 tokens), and an id the tokenizer cannot decode would end the request.
         self.vocab_size = min(model.args.vocab_size, tokenizer.n_words)

@@ -1,0 +1,129 @@
+"""The engine's static steps as AOTInductor packages: `Transformer.decode` (one token per row) or `Transformer.verify`
+(several per row: speculative decoding) exported with the KV caches as inputs (torch.export, sizes symbolic),
+compiled by inductor into a shared library, and the weights left out of it, to be given back at load time from the
+live model (no second copy in memory or on disk).
+
+A package's varying size (`VARIES`): a decode step's rows; a verify step's slots (tokens per row), at one row, where
+speculation pays (several rows verify under torch.compile). One package covers a range of that size: the CPU
+kernels take a different path for one row, and above a few rows the library's GEMM replaces them, so export narrows
+the size to the range the traced call's path holds for (`size_range`); packaged_steps.py keeps one package per
+range it meets.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.fx.experimental._config as fx_config
+from torch.export import Dim
+from torch.utils._sympy.numbers import int_oo
+
+from accessory.network.components import KVCache
+
+
+# The size a package of each step varies in: (the tokens' dimension, what it counts).
+VARIES = {"decode": (0, "rows"), "verify": (1, "slots")}
+
+
+class StepOnCaches(torch.nn.Module):
+    """`model.decode` or `model.verify` (`step`) with every layer's KV cache an input: forward(tokens, positions,
+    mask, caches), caches a list of (keys, values) per layer, written in place as the step writes its own."""
+
+    def __init__(self, model, step: str):
+        super().__init__()
+        self.model, self.step = model, step
+
+    def forward(self, tokens, positions, mask, caches):
+        with caches_swapped(self.model, caches):
+            return getattr(self.model, self.step)(tokens, positions, mask)
+
+
+@contextmanager
+def caches_swapped(model, caches):
+    """Within it, each layer's KVCache holds the given (keys, values) instead of its own."""
+    held = layer_caches(model)
+    saved = [(cache.k, cache.v) for cache in held]
+    try:
+        for cache, (k, v) in zip(held, caches):
+            cache.k, cache.v = k, v
+        yield
+    finally:
+        for cache, (k, v) in zip(held, saved):
+            cache.k, cache.v = k, v
+
+
+def layer_caches(model) -> list[KVCache]:
+    caches = [layer.attention.cache for layer in model.layers]
+    if any(cache is None for cache in caches):
+        raise RuntimeError("the decode step runs on the KV cache: setup_caches first")
+    return caches
+
+
+def cache_inputs(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(cache.k, cache.v) for cache in layer_caches(model)]
+
+
+def export_step(model, step: str, tokens, positions, mask) -> torch.export.ExportedProgram:
+    """`StepOnCaches(model, step)` exported from one call's inputs (fake copies: nothing is written): its varying
+    size (decode: rows; verify: slots, at one row), cache rows, cache columns (not a ring's: its width is fixed) and
+    mask columns symbolic. Sizes that happen to be equal in this call get symbols of their own (no duck shapes), so
+    no later call is taken for one with equal sizes."""
+    caches = cache_inputs(model)
+    auto = Dim.AUTO
+    cache_dims = [{0: auto} if cache.ring else {0: auto, 2: auto} for cache in layer_caches(model)]
+    if step == "decode":  # one row is a graph of its own (a size of 1 is never symbolic)
+        rows = Dim.STATIC if tokens.shape[0] == 1 else auto
+        inputs = {"tokens": {0: rows}, "positions": {0: rows}, "mask": {0: rows, 3: auto}}
+    else:
+        if tokens.shape[0] != 1:
+            raise ValueError(f"a verify step is packaged for one row; this call has {tokens.shape[0]}")
+        inputs = {"tokens": {1: auto}, "positions": {1: auto}, "mask": {2: auto, 3: auto}}
+    dynamic = {**inputs, "caches": [(dims, dims) for dims in cache_dims]}
+    with torch.no_grad(), fx_config.patch(use_duck_shape=False):
+        return torch.export.export(StepOnCaches(model, step).eval(), (tokens, positions, mask, caches),
+                                   dynamic_shapes=dynamic, strict=False)
+
+
+def size_range(program: torch.export.ExportedProgram, step: str) -> tuple[int, Optional[int]]:
+    """(fewest, most) of the exported step's varying size (most None: no bound), read off its `tokens` input. Only
+    that size may be narrowed: a bound on any other (cache rows or columns, mask columns) is a RuntimeError, since
+    the engine picks a package by that size alone."""
+    dim, what = VARIES[step]
+    placeholder = next(node for node in program.graph.nodes if node.op == "placeholder" and node.name == "tokens")
+    size = placeholder.meta["val"].shape[dim]
+    varying = None if isinstance(size, int) else size.node.expr
+    for symbol, bounds in program.range_constraints.items():
+        if symbol != varying and (bounds.lower > 2 or bounds.upper != int_oo):
+            raise RuntimeError(f"the exported {step} step bounds a size other than its {what} to {bounds}")
+    if varying is None:
+        return size, size
+    bounds = program.range_constraints[varying]
+    return int(bounds.lower), (None if bounds.upper == int_oo else int(bounds.upper))
+
+
+def compile_package(program: torch.export.ExportedProgram, path: Path) -> Path:
+    """Compile `program` into the AOTInductor package `path`, its weights left out (given at load: `load`)."""
+    options = {"aot_inductor.package_constants_in_so": False}
+    return Path(torch._inductor.aoti_compile_and_package(program, package_path=str(path),
+                                                         inductor_configs=options))
+
+
+def load(path: Path, model, step: str):
+    """The compiled `step` in package `path`, given the live model's weights (shared, not copied). Called as
+    step(tokens, positions, mask, cache_inputs(model)) -> logits."""
+    runner = torch._inductor.aoti_load_package(str(path))
+    wrapper = StepOnCaches(model, step)
+    constants = {name: _attribute(wrapper, name) for name in runner.get_constant_fqns()}
+    runner.load_constants(constants, check_full_update=True, user_managed=True)
+    return runner
+
+
+def _attribute(module: torch.nn.Module, name: str) -> torch.Tensor:
+    value = module
+    for part in name.split("."):
+        value = getattr(value, part)
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError(f"the package's constant {name} is a {type(value).__name__} in the model, not a tensor")
+    return value

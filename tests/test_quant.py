@@ -77,6 +77,27 @@ def test_every_kernel_variant_equals_the_reference(tmp_path, march, isa):
             assert (out.double() - reference).abs().max() <= 2e-6 * reference.abs().max(), (fmt, rows)
 
 
+@pytest.mark.parametrize("length", [1, 3])
+def test_decode_attention_kernel_equals_sdpa(length):
+    """The attention kernel of decode and verify steps: L tokens per row (1, or a row's token and 2 proposals), each
+    over its own row's columns up to its position, grouped-query heads, rows at different positions, cache rows past
+    the batch's: the same values as SDPA over the masked columns (the portable path)."""
+    from accessory.kernels import cpu_kernels, dispatch
+    from accessory.network.components import decode_mask
+
+    assert cpu_kernels()  # else both calls are SDPA
+    generator = torch.Generator().manual_seed(length)
+    keys, values = (torch.randn(4, 2, 64, 32, generator=generator) for _ in "kv")  # rows, KV heads, columns, dim
+    q = torch.randn(3, length, 6, 32, generator=generator)  # 3 rows of 6 query heads, 3 per KV head
+    positions = torch.tensor([5, 40, 61])[:, None] + torch.arange(length)
+    mask = decode_mask(positions, 64)
+    kernel = dispatch.decode_attention(q, keys, values, positions, mask)
+    with dispatch.portable():
+        reference = dispatch.decode_attention(q, keys, values, positions, mask)
+    assert kernel.shape == reference.shape == (3, 6, length, 32)
+    assert (kernel - reference).abs().max() <= 1e-5
+
+
 @pytest.mark.parametrize("fmt,levels", [("int8", 127), ("int4", 15)])
 def test_quantization_error_is_half_a_step(fmt, levels):
     from accessory.quant.formats import GROUP, dequantize, quantize

@@ -76,14 +76,12 @@ static at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &w) {
 
 static at::Tensor decode_attention_cpu(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
                                        const at::Tensor &positions) {
-    TORCH_CHECK((q.dim() == 3 || q.dim() == 4) && k.dim() == 4 && q.scalar_type() == at::kFloat &&
-                k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && q.is_contiguous() &&
-                k.is_contiguous() && v.is_contiguous() && positions.scalar_type() == at::kLong &&
-                positions.is_contiguous(),
-                "decode_attention_cpu: q (B, H, D) or (B, L, H, D), k and v (rows, H_kv, S, D) contiguous float32, "
-                "positions (B) or (B, L) int64");
-    const int64_t batch = q.size(0), length = q.dim() == 4 ? q.size(1) : 1;
-    const int64_t heads = q.size(q.dim() - 2), dim = q.size(q.dim() - 1);
+    TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                v.scalar_type() == at::kFloat && q.is_contiguous() && k.is_contiguous() && v.is_contiguous() &&
+                positions.scalar_type() == at::kLong && positions.is_contiguous(),
+                "decode_attention_cpu: q (B, L, H, D), k and v (rows, H_kv, S, D) contiguous float32, positions "
+                "(B, L) int64");
+    const int64_t batch = q.size(0), length = q.size(1), heads = q.size(2), dim = q.size(3);
     TORCH_CHECK(k.size(0) >= batch && k.size(3) == dim && heads % k.size(1) == 0 &&
                 positions.numel() == batch * length, "decode_attention_cpu: shapes do not match");
     at::Tensor out = at::empty_like(q);

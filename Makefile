@@ -3,6 +3,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 NPROC ?= 3
+# pytest-xdist workers of `make test`: two halve the suite's time on a 2-core machine (its tests wait on ranks
+# starting and answering much of the time); see docs/testing.md
+TEST_WORKERS ?= 2
 PROMPT ?= What is the capital of France?
 
 .PHONY: setup demo test clean-venv
@@ -22,7 +25,7 @@ demo: setup
 		--chat --prompt "$(PROMPT)"
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 clean-venv:
 	rm -rf $(VENV)

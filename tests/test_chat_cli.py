@@ -12,6 +12,8 @@ import sys
 import termios
 import time
 
+import pytest
+
 from distributed import free_port
 
 PROMPT = "user> "
@@ -99,6 +101,7 @@ def test_ctrl_c_at_the_prompt_ends_cleanly(smollm2_checkpoint, tmp_path):
     assert "Traceback" not in (tmp_path / "stderr.log").read_text()
 
 
+@pytest.mark.alone  # times the ranks' exit
 def test_ctrl_c_under_torchrun_ends_every_rank(smollm2_checkpoint, tmp_path):
     """The terminal's Ctrl-C reaches torchrun and every rank: all end at once, no rank left waiting, and no rank
     prints a traceback (torchrun itself reports the signal)."""

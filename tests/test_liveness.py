@@ -20,6 +20,7 @@ from distributed import free_port
 from serving import KEY, MODEL, QUESTION, Server, rank_of
 
 TIMEOUT_S = 6
+pytestmark = pytest.mark.alone  # every test times the ranks against TIMEOUT_S
 
 
 def gone_within(proc: subprocess.Popen, pids: list[int], seconds: float) -> bool:

@@ -130,6 +130,7 @@ def test_tokenize_is_held_to_the_prompts_limit_without_tokenizing(api, tiny, mon
         error["message"]
 
 
+@pytest.mark.alone  # times /health's answers
 def test_tokenize_lets_health_answer_and_gives_its_memory_back(smollm2_api, monkeypatch):
     """A text as long as the limit allows (here raised to 3M characters) is tokenized in a worker thread that lets go
     of the GIL, and the megabytes it freed go back to the system (they stayed with glibc: +660 MB for 7M)."""

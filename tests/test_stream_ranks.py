@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from distributed import free_port
 
 CONV_SEP = "."
@@ -58,6 +60,7 @@ print(f"[rank {{rank}}] no error", flush=True)
 """
 
 
+@pytest.mark.alone  # the ranks must answer within TIMEOUT_S
 def test_a_break_on_one_rank_only_ends_every_rank_with_a_named_error(smollm2_checkpoint, tmp_path):
     """Under torchrun, rank 0 leaves the stream after 3 chunks and goes on to its next call; ranks 1 and 2 go on
     reading. Ranks 1 and 2 raise RanksDisagree within the rank timeout (they wait for rank 0 in the next step);

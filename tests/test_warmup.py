@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 
+import pytest
 import torch
 
 from serving import MODEL, Server
@@ -41,6 +42,7 @@ def timed_requests(client, prompts: list[str]) -> float:
     return time.perf_counter() - start
 
 
+@pytest.mark.alone  # compares request times
 def test_a_compiled_server_says_compiling_and_its_first_requests_wait_on_nothing(tiny_checkpoints, tmp_path):
     server = Server(tmp_path, "--pretrained_path", str(tiny_checkpoints["mha", 1]), "--compile",
                     "--model-name", MODEL, nproc=1)

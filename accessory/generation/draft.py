@@ -1,6 +1,9 @@
 """A draft model's proposals for speculative decoding (speculative.py says how they are used): a smaller model, or
 the target itself loaded quantized, on the same ranks and tokenizer, keeps KV-cache rows that mirror the target's
-(`ModelRunner` of its own: the same compaction, prefills and prefix reuse) and proposes its greedy tokens.
+(`ModelRunner` of its own: the same compaction, prefills and prefix reuse) and proposes its greedy tokens. The
+target's own weights as the draft (`"model": "self"`) prefill nothing: a joining prompt's keys and values are
+copied from the target's cache, which has the same layout (`ModelRunner.adopt`), so speculation adds nothing to
+the time to the first token.
 
 Each step, a row first catches up on what the target kept since the draft last ran (the target's next token, and
 the last proposal when all were accepted: `pending`), in one pass; then one pass per further proposal. Every rank
@@ -17,10 +20,14 @@ from accessory.generation.model_runner import ModelRunner
 class DraftProposer:
     """The draft's side of one engine run: `draft` (its Engine), rows and columns as the target's runner has."""
 
-    def __init__(self, draft, rows: int, columns: int, keep_finished: bool, vocab_size: int, most: int):
-        self.runner = ModelRunner(draft, rows, columns, keep_finished)
+    def __init__(self, draft, rows: int, columns: int, keep_finished: bool, vocab_size: int, most: int,
+                 adopts: bool = False):
+        """`adopts`: the draft is the target's own weights, whose keys and values it takes (`admit`); it then keeps
+        no finished rows for prefix reuse, since it never prefills."""
+        self.runner = ModelRunner(draft, rows, columns, keep_finished and not adopts)
         self.most = most  # proposals per step at most: a row's last `most` fed tokens may be rejected ones
         self.vocab_size = vocab_size  # the ids the target samples from: the draft proposes only those
+        self.adopts = adopts
 
     @torch.inference_mode()
     def propose(self, cached: list[list[int]], tokens: tuple[int, ...], limits: list[int]) -> list[tuple[int, ...]]:
@@ -51,8 +58,12 @@ class DraftProposer:
     def compact(self, keep: tuple[int, ...]) -> None:
         self.runner.compact(keep)
 
-    def admit(self, prompts, images) -> None:
-        self.runner.prefill(prompts, images)
+    def admit(self, prompts, images, target: ModelRunner) -> None:
+        """Prompts joined the `target` runner's rows: the draft's mirror rows take them too."""
+        if self.adopts and self.runner.mirrors(target):
+            self.runner.adopt(prompts, images, target)
+        else:
+            self.runner.prefill(prompts, images)
 
 
 def pending_tokens(draft: list[int], target: list[int], reach: int) -> list[int]:

@@ -123,7 +123,7 @@ class Engine:
         self.speculation_costs()  # before any runner's cache is set up: it times steps on a cache of its own
         if self.draft is not None:
             return DraftProposer(self.draft, rows, columns, keep_finished, self.vocab_size,
-                                 config.num_speculative_tokens)
+                                 config.num_speculative_tokens, adopts=config.model == "self")
         return NgramProposer(config)
 
     def speculation_costs(self) -> tuple[float, ...]:

@@ -75,7 +75,7 @@ class ModelRunner:
             images = plan.images or (None,) * len(plan.admit)
             local.append(self.prefill(plan.admit, images, plan.adapters))
             if self.proposer is not None:
-                self.proposer.admit(plan.admit, images)
+                self.proposer.admit(plan.admit, images, self)
                 self.budgets += [RowBudget(self.engine.speculation_costs()) for _ in plan.admit]
             self.proposed += [()] * len(plan.admit)
         scored = scored if self.engine.ctx.is_source else []
@@ -231,6 +231,27 @@ class ModelRunner:
         self.engine.stats.reused_tokens += sum(pasts)
         logits = torch.cat(logits)
         return logits if order == sorted(order) else logits[torch.tensor(order, device=logits.device).argsort()]
+
+    def adopt(self, admit: tuple[tuple[int, ...], ...], images: tuple, source: "ModelRunner") -> None:
+        """Write each prompt into its new row (after the current ones) by copying its keys and values from the same
+        row of `source`, which has just prefilled it, instead of computing them: a draft that is the target's own
+        weights quantized takes the target's (its cache has the same layout, and its own values would be close),
+        and so prefills nothing."""
+        first = len(self.cached)
+        held = [self._contents(list(prompt), image) for prompt, image in zip(admit, images)]
+        rows, end = torch.arange(first, first + len(held)), max(len(row) for row in held)
+        for mine, theirs in zip(self.model.layers, source.model.layers):
+            mine.attention.cache.k[rows, :, :end] = theirs.attention.cache.k[rows, :, :end]
+            mine.attention.cache.v[rows, :, :end] = theirs.attention.cache.v[rows, :, :end]
+        self.cached += held
+
+    def mirrors(self, source: "ModelRunner") -> bool:
+        """Whether this runner's KV cache has `source`'s layout, so that `adopt` can copy rows: as many layers, each
+        with the same heads, columns, head size and dtype (the retained rows past the live ones may differ)."""
+        pairs = list(zip(self.model.layers, source.model.layers))
+        return len(self.model.layers) == len(source.model.layers) and all(
+            mine.attention.cache.k.shape[1:] == theirs.attention.cache.k.shape[1:]
+            and mine.attention.cache.k.dtype == theirs.attention.cache.k.dtype for mine, theirs in pairs)
 
     def _contents(self, prompt: list[int], image, adapter: int = 0) -> list:
         """What a row holds, as the prefix cache compares it: the prompt's tokens, an image's positions keyed by

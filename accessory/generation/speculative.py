@@ -106,8 +106,8 @@ class NgramProposer:
     def compact(self, keep: tuple[int, ...]) -> None:
         """Rows moved (nothing kept per row here)."""
 
-    def admit(self, prompts, images) -> None:
-        """Rows joined (nothing kept per row here)."""
+    def admit(self, prompts, images, target) -> None:
+        """Rows joined the target's runner (nothing kept per row here)."""
 
 
 @dataclass

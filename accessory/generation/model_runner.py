@@ -239,10 +239,9 @@ class ModelRunner:
         and so prefills nothing."""
         first = len(self.cached)
         held = [self._contents(list(prompt), image) for prompt, image in zip(admit, images)]
-        rows, end = torch.arange(first, first + len(held)), max(len(row) for row in held)
+        rows, end = list(range(first, first + len(held))), max(len(row) for row in held)
         for mine, theirs in zip(self.model.layers, source.model.layers):
-            mine.attention.cache.k[rows, :, :end] = theirs.attention.cache.k[rows, :, :end]
-            mine.attention.cache.v[rows, :, :end] = theirs.attention.cache.v[rows, :, :end]
+            mine.attention.cache.move_rows(rows, rows, end, theirs.attention.cache)
         self.cached += held
 
     def mirrors(self, source: "ModelRunner") -> bool:

@@ -8,6 +8,7 @@ fine-tuned checkpoint) reuse the package; the step computes with whatever weight
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import platform
 from dataclasses import asdict
@@ -40,8 +41,10 @@ def _weights_layout(model) -> list[str]:
     return modules + tensors
 
 
+@functools.cache
 def source_fingerprint() -> str:
-    """A hash of accessory's source files (the model's code and its kernels shape the compiled step)."""
+    """A hash of accessory's source files (the model's code and its kernels shape the compiled step), once per
+    process: the code a process runs is what it read at its start, whatever its files become later."""
     root = Path(__file__).resolve().parent.parent  # the accessory package
     files = sorted(p for p in root.rglob("*") if p.suffix in SOURCE_SUFFIXES and p.is_file())
     digest = hashlib.sha256()

@@ -16,10 +16,10 @@ tells every rank.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
-import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -39,7 +39,7 @@ from accessory.generation.wire import share_plan
 from accessory.parallel.watchdog import announce_failure
 
 log = logging.getLogger(__name__)
-TIMED_STEPS = 5  # steps timed per size to measure speculation's costs (the median counts), after one untimed
+ROUNDS = 12  # rounds of steps timed to measure speculation's costs (the fastest of each size counts)
 
 
 @dataclass(frozen=True)
@@ -133,8 +133,8 @@ class Engine:
         rank runs the same steps)."""
         if self.step_costs is None:
             most = self.settings.speculative.num_speculative_tokens
-            target = step_seconds(self, most + 1)
-            draft = step_seconds(self.draft, 1)[0] if self.draft is not None else 0.0
+            timed = step_seconds([(self, most + 1)] + ([(self.draft, 1)] if self.draft is not None else []))
+            target, draft = timed[0], timed[1][0] if self.draft is not None else 0.0
             costs = tuple((target[k] + k * draft) / target[0] for k in range(most + 1))
             self.step_costs = self.ctx.broadcast_object(costs if self.ctx.is_source else None)
             log.info("speculative decoding: a step proposing 1..%d tokens costs %s plain decode steps (measured)",
@@ -263,28 +263,38 @@ class Engine:
 
 
 @torch.inference_mode()
-def step_seconds(engine: Engine, most_slots: int) -> list[float]:
-    """The median seconds of the engine's step scoring 1, 2, .. most_slots tokens at one row (its decode step for
-    one, its verify step for more), on a KV cache of its own."""
+def step_seconds(engines: list[tuple[Engine, int]]) -> list[list[float]]:
+    """For each (engine, most_slots): the seconds of its step scoring 1, 2, .. most_slots tokens at one row (its
+    decode step for one, its verify step for more), on a KV cache of its own. Each is the fastest of ROUNDS, the
+    steps taken in turn each round: what a step costs without interference, which a median of steps timed one
+    size after another was not (costs measured in two processes differed by up to 40%)."""
+    steps = [_one_row_steps(engine, most) for engine, most in engines]
+    for step in (s for each in steps for s in each):
+        step()  # compiles, if that has not happened yet
+    seconds = [[float("inf")] * len(each) for each in steps]
+    for _ in range(ROUNDS):
+        for times, each in zip(seconds, steps):
+            for size, step in enumerate(each):
+                begin = time.perf_counter()
+                step()
+                times[size] = min(times[size], time.perf_counter() - begin)
+    return seconds
+
+
+def _one_row_steps(engine: Engine, most_slots: int) -> list:
+    """Calls of the engine's step scoring 1, 2, .. most_slots tokens at one row, on a KV cache set up for them."""
     model = engine.model
     columns = min(MIN_COLUMNS, engine.max_seq_len)
     model.setup_caches(2, columns)  # 2 rows, as a runner of one row has
     start = max(0, min(16, columns - most_slots))
-    seconds = []
+    steps = []
     for slots in range(1, most_slots + 1):
         positions = torch.arange(start, start + slots, device=model.device)[None]
-        tokens = torch.ones_like(positions)
         mask = decode_mask(positions, columns)
         if slots == 1:
             first = positions[:, 0].contiguous()
-            step = lambda: engine.decode_step(torch.ones_like(first), first, decode_mask(first, columns))  # noqa
+            steps.append(functools.partial(engine.decode_step, torch.ones_like(first), first,
+                                           decode_mask(first, columns)))
         else:
-            step = lambda: engine.verify_step(tokens, positions, mask)  # noqa: E731
-        step()  # compiles, if that has not happened yet
-        times = []
-        for _ in range(TIMED_STEPS):
-            begin = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - begin)
-        seconds.append(statistics.median(times))
-    return seconds
+            steps.append(functools.partial(engine.verify_step, torch.ones_like(positions), positions, mask))
+    return steps

@@ -56,6 +56,11 @@ def test_a_row_proposes_the_count_that_pays_most_and_only_probes_where_none_pays
     assert sizes == [2, 1, 1, 0]  # fewer as the rate falls (0.58, 0.44, 0.33, 0.26), then none
     assert [budget.next() for _ in range(PROBE_EVERY + 1)] == [0] * (PROBE_EVERY - 1) + [1, 0]  # one probe
 
+    budget = RowBudget((1.0, 1.6, 2.0))  # at the even prior nothing pays (1.5 / 1.6): a new row probes at once
+    assert [budget.next() for _ in range(PROBE_EVERY + 1)] == [1] + [0] * (PROBE_EVERY - 1) + [1]
+    budget.observe(1, 1)  # rate 1.8 / 2.6: 2.17 / 2.0 pays most
+    assert budget.next() == 2
+
 
 @pytest.mark.parametrize("values,message", [
     ({"method": "eagle"}, "method must be one of"),

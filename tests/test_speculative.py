@@ -124,8 +124,10 @@ def prompts_of(model) -> list[str]:
 @pytest.mark.parametrize("method", ["ngram", "self-int4"])
 def test_greedy_output_is_plain_decodings_token_for_token(smol, method, monkeypatch):
     plain, model = smol["plain"], smol[method]
-    if method == "self-int4":  # the target's own weights as the draft take its keys and values: never a prefill
+    if method == "self-int4":  # the target's own weights as the draft take its keys and values: never a prefill,
+        # and never a pass of several tokens to catch up (only the target's next token is fed, then each proposal)
         monkeypatch.setattr(model.engine.draft_model, "prefill", lambda *_: pytest.fail("the self-draft prefilled"))
+        monkeypatch.setattr(model.engine.draft, "verify_step", lambda *_: pytest.fail("the self-draft caught up"))
     tokens = [model.tokenizer.encode(p, bos=True, eos=False) for p in prompts_of(model)]
     expected, stats = greedy_ids(plain, tokens, 40), []
     assert greedy_ids(model, tokens, 40, stats=stats) == expected  # batched: rows that accept and rows that do not

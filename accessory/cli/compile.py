@@ -27,7 +27,8 @@ def run_compile(args) -> None:
     engines = [engine] if engine.draft is None else [engine, engine.draft]  # a draft model's steps too
     sizes = [(e.decode_step, model.max_batch_size) for e in engines]  # --max_batch_size auto: the loaded model's pick
     if engine.settings.speculative is not None:  # one row's verify steps: its token and proposals (a draft catching up)
-        sizes += [(e.verify_step, 1 + engine.settings.speculative.num_speculative_tokens) for e in engines]
+        sizes += [(e.verify_step, 1 + engine.settings.speculative.num_speculative_tokens)
+                  for e in engine.verifying_engines()]
     steps = [step for step, _ in sizes]
     paths = [path for step, most in sizes for path in step.prepare(most)]
     if model.ctx.is_source:

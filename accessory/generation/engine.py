@@ -148,13 +148,22 @@ class Engine:
         a few tokens each, so that no request waits on their compilation."""
         past = min(MIN_COLUMNS + 8, self.max_seq_len - 8)  # past the narrowest width, if the model reaches it
         for engine in (self, self.draft) if self.draft is not None else (self,):
+            verifies = engine in self.verifying_engines()
             for rows in (1, 2):
                 for length in (2, past):
                     runner = ModelRunner(engine, rows, length + 8, keep_finished=False)
                     runner.prefill(((1,) * length,) * rows, (None,) * rows)
-                    runner.feed([(3, 4, 5)] * rows)
-                    runner.feed([(6, 7)] * rows)
+                    if verifies:
+                        runner.feed([(3, 4, 5)] * rows)
+                        runner.feed([(6, 7)] * rows)
                     runner.feed([(8,)] * rows)
+
+    def verifying_engines(self) -> list["Engine"]:
+        """The engines whose verify step speculative decoding runs: this one, and a draft model, which catches up
+        on several tokens at a time; but not the self-draft, which copies the target's keys and values for them
+        (draft.py) and only ever decodes."""
+        config = self.settings.speculative
+        return [self] if self.draft is None or config.model == "self" else [self, self.draft]
 
     def configured(self, **changes) -> "Engine":
         """An engine for the same model with some settings changed (speculation's costs kept, if its steps are

@@ -163,7 +163,7 @@ class ModelRunner:
         limits = [min(budget.next(), self.columns - 1 - len(row)) for budget, row in zip(self.budgets, self.cached)]
         if not any(limits):
             return []
-        return self.proposer.propose(self.cached, tokens, limits)
+        return self.proposer.propose(self, tokens, limits)
 
     def _verify(self, tokens: tuple[int, ...], proposals: list[tuple[int, ...]]) -> torch.Tensor:
         """This rank's logits (rows, L, local vocab) of each row's next token and its proposals after it."""
@@ -239,10 +239,14 @@ class ModelRunner:
         and so prefills nothing."""
         first = len(self.cached)
         held = [self._contents(list(prompt), image) for prompt, image in zip(admit, images)]
-        rows, end = list(range(first, first + len(held))), max(len(row) for row in held)
-        for mine, theirs in zip(self.model.layers, source.model.layers):
-            mine.attention.cache.move_rows(rows, rows, end, theirs.attention.cache)
+        self.copy_columns(source, list(range(first, first + len(held))), 0, max(len(row) for row in held))
         self.cached += held
+
+    def copy_columns(self, source: "ModelRunner", rows: list[int], start: int, end: int) -> None:
+        """Copy the keys and values of columns start..end - 1 of `rows` from the same rows of `source`, a runner
+        this one `mirrors` (what each row holds is the caller's to record)."""
+        for mine, theirs in zip(self.model.layers, source.model.layers):
+            mine.attention.cache.move_rows(rows, rows, end, theirs.attention.cache, start)
 
     def mirrors(self, source: "ModelRunner") -> bool:
         """Whether this runner's KV cache has `source`'s layout, so that `adopt` can copy rows: as many layers, each

@@ -81,10 +81,11 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig):
         self.longest, self.shortest = config.prompt_lookup_max, config.prompt_lookup_min
 
-    def propose(self, cached: list[list[int]], tokens: tuple[int, ...], limits: list[int]) -> list[tuple[int, ...]]:
-        """Up to limits[row] tokens to follow each row's `cached` tokens and its next token."""
+    def propose(self, target, tokens: tuple[int, ...], limits: list[int]) -> list[tuple[int, ...]]:
+        """Up to limits[row] tokens to follow what each row of `target` (the target's ModelRunner) holds and its
+        next token."""
         return [self.lookup([*row, token], limit) if limit else ()
-                for row, token, limit in zip(cached, tokens, limits)]
+                for row, token, limit in zip(target.cached, tokens, limits)]
 
     def lookup(self, history: list[int], limit: int) -> tuple[int, ...]:
         """Up to `limit` tokens that followed the longest match of history's end (the latest, among equals)."""

@@ -173,15 +173,18 @@ class KVCache(nn.Module):
         self.k[rows, :, columns] = k  # the advanced indices come first: (N, H, D)
         self.v[rows, :, columns] = v
 
-    def move_rows(self, dst: list[int], src: list[int], end: int, source: Optional["KVCache"] = None) -> None:
-        """Copy rows `src` to rows `dst` (positions up to `end`; on a ring, the ones it still holds): a finished
-        row's place is filled by a live one, a finished row is kept for reuse, a prompt takes a cached prefix. From
-        `source`'s rows instead, a cache of the same layout: a self-draft takes the target's keys and values."""
+    def move_rows(self, dst: list[int], src: list[int], end: int, source: Optional["KVCache"] = None,
+                  start: int = 0) -> None:
+        """Copy rows `src` to rows `dst` (positions start..end - 1; on a ring, from 0, the ones it still holds): a
+        finished row's place is filled by a live one, a finished row is kept for reuse, a prompt takes a cached
+        prefix. From `source`'s rows instead, a cache of the same layout: a self-draft takes the target's keys and
+        values."""
         source = source or self
         if dst:
             dst_index, src_index, end = torch.tensor(dst), torch.tensor(src), min(end, self.columns)
-            self.k[dst_index, :, :end] = source.k[src_index, :, :end]
-            self.v[dst_index, :, :end] = source.v[src_index, :, :end]
+            start = 0 if self.ring else start
+            self.k[dst_index, :, start:end] = source.k[src_index, :, start:end]
+            self.v[dst_index, :, start:end] = source.v[src_index, :, start:end]
 
     @property
     def nbytes(self) -> int:

@@ -175,3 +175,19 @@ def test_another_format_compiles_its_own_and_a_corrupt_package_is_compiled_again
     assert_decodes_as_eager(again)
     assert f"the compiled decode step {package} does not load" in again["log"]
     assert (again["builds"], again["loads"]) == (1, 0)
+
+
+def test_exporting_a_step_leaves_the_live_caches_marked(folders):
+    """torch.export strips dynamo's size markings from its inputs, the live KV caches: they get them back (heads and
+    head_dim static), or a torch.compile graph traced after a package was exported (several rows' verify step)
+    takes those sizes for symbolic, and compiles again when the next run's cache comes, after the warm-up."""
+    from accessory.generation.step_export import export_step, layer_caches
+    from accessory.model.meta import MetaModel
+    from accessory.network.components import decode_mask
+
+    model = MetaModel.from_pretrained(folders[0], max_seq_len=64).llma
+    model.setup_caches(2, 64)
+    positions = torch.tensor([3, 4])
+    with torch.inference_mode():
+        export_step(model, "decode", torch.ones_like(positions), positions, decode_mask(positions, 64))
+    assert [getattr(c.k, "_dynamo_static_indices", None) for c in layer_caches(model)] == [{1, 3}] * len(model.layers)

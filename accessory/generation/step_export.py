@@ -81,9 +81,13 @@ def export_step(model, step: str, tokens, positions, mask) -> torch.export.Expor
             raise ValueError(f"a verify step is packaged for one row; this call has {tokens.shape[0]}")
         inputs = {"tokens": {1: auto}, "positions": {1: auto}, "mask": {2: auto, 3: auto}}
     dynamic = {**inputs, "caches": [(dims, dims) for dims in cache_dims]}
-    with torch.no_grad(), fx_config.patch(use_duck_shape=False):
-        return torch.export.export(StepOnCaches(model, step).eval(), (tokens, positions, mask, caches),
-                                   dynamic_shapes=dynamic, strict=False)
+    try:
+        with torch.no_grad(), fx_config.patch(use_duck_shape=False):
+            return torch.export.export(StepOnCaches(model, step).eval(), (tokens, positions, mask, caches),
+                                       dynamic_shapes=dynamic, strict=False)
+    finally:  # export strips dynamo's size markings from its inputs, the live caches: a graph compiled later would
+        for cache in layer_caches(model):  # take their heads for symbolic, and compile again for a new cache
+            cache.mark_sizes()
 
 
 def size_range(program: torch.export.ExportedProgram, step: str) -> tuple[int, Optional[int]]:

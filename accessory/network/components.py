@@ -159,8 +159,12 @@ class KVCache(nn.Module):
         # whose width is the window) columns are symbolic; heads and head_dim stay fixed.
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.mark_sizes()
+
+    def mark_sizes(self) -> None:
+        """Tell dynamo which sizes never change: heads and head_dim (and a ring's width)."""
         for cache in (self.k, self.v):
-            for dim in (1, 3) if not ring else (1, 2, 3):
+            for dim in (1, 3) if not self.ring else (1, 2, 3):
                 torch._dynamo.mark_static(cache, dim)
 
     def column(self, positions: torch.Tensor) -> torch.Tensor:

@@ -166,11 +166,11 @@ class Engine:
         return [self] if self.draft is None or config.model == "self" else [self, self.draft]
 
     def configured(self, **changes) -> "Engine":
-        """An engine for the same model with some settings changed (speculation's costs kept, if its steps are
-        the same)."""
+        """An engine for the same model with some settings changed; if its steps are the same, it shares this
+        one's speculation costs, measured here first if they were not (collective, as the measuring is)."""
         engine = Engine(self.model, self.tokenizer, replace(self.settings, **changes), self.stop_ids, self.draft_model)
         if (engine.settings.speculative, engine.settings.compile) == (self.settings.speculative, self.settings.compile):
-            engine.step_costs = self.step_costs
+            engine.step_costs = self.speculation_costs() if self.settings.speculative is not None else None
         return engine
 
     @property

@@ -661,6 +661,41 @@ INLINE float row_q6_k(const float *x, int64_t K, const uint8_t *row) {
     return sum4(acc);
 }
 
+/* int4: W = s * q + mn per group of 32 (byte j of a group's 16 holds element j in its low nibble, j + 16 in its
+   high one); a group's 16 values s * i + mn as a table read by the nibble, as int4_group computes them. Two groups a
+   pass, one accumulator per 16 values. */
+INLINE float row_int4(const float *x, int64_t K, const uint8_t *row, const uint16_t *scale, const uint16_t *mins) {
+    const int64_t groups = K / 32;
+    float s[groups + 16], mn[groups + 16];
+    int64_t g = 0;
+    for (; g + 16 <= groups; g += 16) {
+        _mm512_storeu_ps(s + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scale + g))));
+        _mm512_storeu_ps(mn + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + g))));
+    }
+    for (; g < groups; g++) {
+        s[g] = half_to_float(scale[g]);
+        mn[g] = half_to_float(mins[g]);
+    }
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (g = 0; g + 2 <= groups; g += 2) {
+        const __m512 t0 = _mm512_fmadd_ps(_mm512_set1_ps(s[g]), iota16(), _mm512_set1_ps(mn[g]));
+        const __m512 t1 = _mm512_fmadd_ps(_mm512_set1_ps(s[g + 1]), iota16(), _mm512_set1_ps(mn[g + 1]));
+        const __m512i v0 = bytes16(row + 16 * g), v1 = bytes16(row + 16 * g + 16);
+        const float *xg = x + 32 * g;
+        acc[0] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v0, t0), _mm512_loadu_ps(xg), acc[0]);
+        acc[1] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), t0), _mm512_loadu_ps(xg + 16), acc[1]);
+        acc[2] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v1, t1), _mm512_loadu_ps(xg + 32), acc[2]);
+        acc[3] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), t1), _mm512_loadu_ps(xg + 48), acc[3]);
+    }
+    if (g < groups) {
+        const __m512 t = _mm512_fmadd_ps(_mm512_set1_ps(s[g]), iota16(), _mm512_set1_ps(mn[g]));
+        const __m512i v = bytes16(row + 16 * g);
+        acc[0] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v, t), _mm512_loadu_ps(x + 32 * g), acc[0]);
+        acc[1] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t), _mm512_loadu_ps(x + 32 * g + 16), acc[1]);
+    }
+    return sum4(acc);
+}
+
 /* int8 (Q8_0): W = scale * q. */
 INLINE float row_int8(const float *x, int64_t K, const int8_t *row, const uint16_t *scale) {
     const int64_t groups = K / 32;
@@ -714,11 +749,16 @@ DEFINE_ONE_ROW(one_row_q5_0, Q5_0, row_q5_0)
 static void one_row_int8(const float *x, int64_t K, const int8_t *q, const uint16_t *scale, int64_t N, float *y) {
     ONE_ROW_LOOP(N, N * K, y[n] = row_int8(x, K, q + n * K, scale + n * (K / 32)))
 }
+
+static void one_row_int4(const float *x, int64_t K, const uint8_t *q, const uint16_t *scale, const uint16_t *mins,
+                         int64_t N, float *y) {
+    ONE_ROW_LOOP(N, N * K / 2, y[n] = row_int4(x, K, q + n * (K / 2), scale + n * (K / 32), mins + n * (K / 32)))
+}
 #endif
 
 /* y (M, N) = x (M, K) @ W^T: tiles of ROWS_OF_W rows of W, then W's last rows one by one, split across threads.
    With one row of x there is nothing to share a weight vector with: W's rows go one by one (measured faster), and
-   on AVX-512 one row of x does not come here (one_row_*).
+   on AVX-512 one row of quantized W does not come here (one_row_*).
    One function per format: OpenMP moves the loop body into a function of its own, where a `fmt` argument would
    no longer be a constant that the compiler folds. */
 #define DEFINE_LINEAR(NAME, FMT)                                                                                     \
@@ -746,6 +786,9 @@ DEFINE_LINEAR(linear_q5_0, Q5_0)
 
 void accessory_linear_int4(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *scale,
                            const uint16_t *mins, int64_t N, float *y) {
+#ifdef ONE_ROW
+    if (M == 1) return one_row_int4(x, K, q, scale, mins, N, y);
+#endif
     linear_int4(x, M, K, q, scale, mins, N, y);
 }
 

@@ -191,3 +191,13 @@ def test_exporting_a_step_leaves_the_live_caches_marked(folders):
     with torch.inference_mode():
         export_step(model, "decode", torch.ones_like(positions), positions, decode_mask(positions, 64))
     assert [getattr(c.k, "_dynamo_static_indices", None) for c in layer_caches(model)] == [{1, 3}] * len(model.layers)
+
+
+def test_the_source_fingerprint_is_the_code_the_process_started_with(monkeypatch):
+    """A source file edited while a process runs does not change that process's package key: the code it runs is
+    what it read at its start (a live engine's key once changed mid-run)."""
+    from accessory.generation.package_key import source_fingerprint
+
+    before = source_fingerprint()
+    monkeypatch.setattr(Path, "read_bytes", lambda self: b"edited")
+    assert source_fingerprint() == before

@@ -375,3 +375,17 @@ def test_the_command_line_flag_speculates_and_answers_as_plain_decoding(smol, sm
     bad = subprocess.run([sys.executable, "-m", "accessory", "generate", "--prompt", "x", "--speculative-config",
                           '{"method": "ngram", "num_speculative_tokens": 0}'], capture_output=True, text=True)
     assert bad.returncode == 2 and "num_speculative_tokens must be an integer >= 1, got 0" in bad.stderr
+
+
+def test_an_engine_configured_anew_shares_the_costs_measured_once(tiny_checkpoints, monkeypatch):
+    """Step costs are measured on the engine a configured one comes from, once: later engines configured from it
+    (greedy_ids makes one a run) take the same figures without timing any step again."""
+    from accessory.generation import engine as engine_module
+    from accessory.model.meta import MetaModel
+
+    model = MetaModel.from_pretrained(tiny_checkpoints["mha", 1], max_seq_len=64, speculative_config=NGRAM)
+    assert model.engine.step_costs is None
+    first = model.engine.configured(max_batch_size=2)
+    assert first.step_costs is model.engine.step_costs is not None
+    monkeypatch.setattr(engine_module, "step_seconds", lambda *_: pytest.fail("the costs were measured again"))
+    assert model.engine.configured(max_batch_size=3).step_costs is model.engine.step_costs

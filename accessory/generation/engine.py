@@ -123,7 +123,7 @@ class Engine:
         self.speculation_costs()  # before any runner's cache is set up: it times steps on a cache of its own
         if self.draft is not None:
             return DraftProposer(self.draft, rows, columns, keep_finished, self.vocab_size,
-                                 config.num_speculative_tokens, adopts=config.model == "self")
+                                 config.num_speculative_tokens, adopts=self.drafts_itself)
         return NgramProposer(config)
 
     def speculation_costs(self) -> tuple[float, ...]:
@@ -158,12 +158,16 @@ class Engine:
                         runner.feed([(6, 7)] * rows)
                     runner.feed([(8,)] * rows)
 
+    @property
+    def drafts_itself(self) -> bool:
+        """Whether the draft is this model's own checkpoint (`"model": "self"`), which takes its keys and values."""
+        return self.draft is not None and self.settings.speculative.model == "self"
+
     def verifying_engines(self) -> list["Engine"]:
         """The engines whose verify step speculative decoding runs: this one, and a draft model, which catches up
         on several tokens at a time; but not the self-draft, which copies the target's keys and values for them
         (draft.py) and only ever decodes."""
-        config = self.settings.speculative
-        return [self] if self.draft is None or config.model == "self" else [self, self.draft]
+        return [self] if self.draft is None or self.drafts_itself else [self, self.draft]
 
     def configured(self, **changes) -> "Engine":
         """An engine for the same model with some settings changed; if its steps are the same, it shares this

@@ -27,9 +27,11 @@ def model_key(model) -> str:
     return _digest(parts)
 
 
+@functools.cache
 def package_key(model_part: str, rings: tuple[bool, ...]) -> str:
     """The whole key: the model's part and which layers' KV caches are rings (a sliding-window layer's cache is a
-    ring of fixed width once the cache is wider than the window, which the step's code depends on)."""
+    ring of fixed width once the cache is wider than the window, which the step's code depends on). Asked at every
+    step, so each answer is kept."""
     return _digest([model_part, "".join("r" if ring else "-" for ring in rings)])
 
 

@@ -119,8 +119,9 @@ class RowBudget:
     rate so far (decayed counts, from an even prior), so k proposals add 1 + p + ... + p^k tokens. Where no count
     pays (p low, or steps that score more tokens dear), the row proposes nothing, but one token every PROBE_EVERY
     steps, so that text that turns guessable is noticed; and at its first step, where the even prior alone would
-    keep a row whose steps cost half a decode step more from proposing for PROBE_EVERY steps. Updated alike on every rank, from the tokens each step
-    kept, with costs the source rank measured: every rank's rows propose alike."""
+    keep a row whose steps cost half a decode step more from proposing for PROBE_EVERY steps. Updated alike on
+    every rank, from the tokens each step kept, with costs the source rank measured: every rank's rows propose
+    alike."""
     costs: tuple[float, ...]
     accepted: float = 1.0
     rejected: float = 1.0

@@ -76,6 +76,48 @@ def test_every_kernel_variant_equals_the_reference(tmp_path, march, isa):
                                                     ctypes.c_int64(out.data_ptr()))
             reference = x[:rows].double() @ dequantize(parts, fmt).double().T
             assert (out.double() - reference).abs().max() <= 2e-6 * reference.abs().max(), (fmt, rows)
+    check_int8x_kernel(lib, weight, x, built=isa != "generic")
+
+
+def int8x_reference(x: torch.Tensor, parts: dict) -> torch.Tensor:
+    """The int4 product with x in int8 (cpu_kernels.c, a draft's), computed in torch as its comment says: x
+    quantized per group of 32 to round(x * 127 / max |x|), integer dot products with the nibbles, then per group
+    s * xs * dot + min * sum(x)."""
+    from accessory.quant.formats import unpack_int4
+
+    rows, features = x.shape
+    groups = x.reshape(rows, features // 32, 32)
+    most = groups.abs().amax(-1)
+    xq = torch.round(groups * torch.where(most > 0, 127.0 / most, torch.zeros(()))[..., None])
+    q = unpack_int4(parts["q"]).reshape(parts["q"].shape[0], -1, 32)
+    dots = torch.einsum("mgk,ngk->mng", xq.double(), q.double())  # exact: integers
+    return ((dots * (parts["scale"].double() * (most / 127).double()[:, None])).sum(-1)
+            + (parts["min"].double() * groups.double().sum(-1)[:, None]).sum(-1))
+
+
+def check_int8x_kernel(lib, weight: torch.Tensor, x: torch.Tensor, built: bool) -> None:
+    """The kernel of int4 with x in int8 (AVX-512 VNNI or AVX2; not in plain C) gives its arithmetic's values, and
+    stays within x's rounding of the exact product. 77 rows: a last tile of 13 (on AVX2 a half of 5)."""
+    import ctypes
+
+    from accessory.kernels.dispatch import pack_int4_int8x
+    from accessory.quant.formats import dequantize, quantize
+
+    assert lib.accessory_int4_int8x() == built
+    if not built:
+        return
+    parts = quantize(weight, "int4")
+    packed = pack_int4_int8x(parts["q"], parts["scale"], parts["min"])
+    x = x.clone()
+    x[0, :32] = 0  # a group of x all zeros: scale 0
+    for rows in (1, 2, 6):
+        out = torch.full((rows, weight.shape[0]), float("nan"))
+        assert lib.accessory_linear_int4_int8x(*[ctypes.c_int64(v) for v in (
+            x.data_ptr(), rows, x.shape[1], *(p.data_ptr() for p in packed), weight.shape[0], out.data_ptr())]) == 0
+        reference = int8x_reference(x[:rows], parts)
+        assert (out.double() - reference).abs().max() <= 1e-5 * reference.abs().max(), rows
+        exact = x[:rows].double() @ dequantize(parts, "int4").double().T
+        assert (out.double() - exact).abs().max() <= 2e-2 * exact.abs().max(), rows
 
 
 @pytest.mark.parametrize("length", [1, 3])

@@ -137,6 +137,51 @@ def test_greedy_output_is_plain_decodings_token_for_token(smol, method, monkeypa
     assert [greedy_ids(model, [row], 40)[0] for row in tokens] == expected  # and each row alone
 
 
+def test_a_model_drafting_for_itself_in_its_own_format_is_refused_by_name(smollm2_checkpoint):
+    from accessory.errors import ConfigError
+    from accessory.model.meta import MetaModel
+
+    with pytest.raises(ConfigError, match="held in int4 already"):
+        MetaModel.from_pretrained(smollm2_checkpoint, quant="int4", speculative_config=SELF_INT4)
+
+
+def test_the_int4_draft_multiplies_with_x_in_int8(smol):
+    """Where the kernels have it (AVX-512 VNNI or AVX2), each int4 product of the draft (a fused projection, or a lone
+    weight; not the fused layers' own views) holds the int8-x kernel's copy of its weight, unsaved, which changes the
+    compiled step's package key; its few-row products are within x's int8 rounding of the exact ones, prefill's
+    exact. The greedy test above runs these products and gives plain decoding's tokens."""
+    from accessory.generation.package_key import model_key
+    from accessory.kernels.build import int4_int8x
+    from accessory.kernels.dispatch import INT8X_MAX_ROWS
+    from accessory.parallel.layers import FusedColumns, repack_int4_for_int8x
+    from accessory.parallel.quantized_weight import INT8X_PARTS
+    from accessory.quant.formats import dequantize
+
+    if not int4_int8x():
+        pytest.skip("the CPU kernels here have no int8-x product (neither AVX-512 VNNI nor AVX2)")
+    draft = smol["self-int4"].engine.draft_model
+    fused = {id(layer.weight) for m in draft.modules() if isinstance(m, FusedColumns) for layer in m.layers}
+    int4 = [m for m in draft.modules() if getattr(m, "fmt", None) == "int4" and id(m) not in fused]
+    assert int4 and all(hasattr(m, INT8X_PARTS[0]) for m in int4)
+    assert not any(hasattr(m, INT8X_PARTS[0]) for m in draft.modules() if id(m) in fused)
+    assert not any(name.endswith(INT8X_PARTS) for name in draft.state_dict())
+    w13 = draft.layers[0].feed_forward.w13
+    x = torch.randn(9, w13.q.shape[1] * 2, generator=torch.Generator().manual_seed(0))
+    exact = x @ dequantize({"q": w13.q, "scale": w13.scale, "min": w13.min}, "int4").T
+    for rows in (1, 8, 9):  # 9: more than INT8X_MAX_ROWS, the exact path
+        error = (torch.cat(w13(x[:rows]), dim=-1) - exact[:rows]).abs().max() / exact.abs().max()
+        assert 1e-4 < error <= 2e-2 if rows <= INT8X_MAX_ROWS else error <= 1e-5, (rows, error)
+    before = model_key(draft)
+    try:
+        for m in int4:
+            for name in INT8X_PARTS:
+                delattr(m, name)
+        assert model_key(draft) != before
+    finally:
+        repack_int4_for_int8x(draft)
+    assert model_key(draft) == before
+
+
 @pytest.mark.parametrize("method", ["ngram", "self-int4"])
 def test_sampled_output_with_a_seed_is_plain_samplings(smol, method):
     plain, model = smol["plain"], smol[method]

@@ -52,6 +52,8 @@ def cpu_kernels() -> bool:
             torch.ops.load_library(str(path))
             torch.library.register_fake("accessory::quantized_linear_cpu")(
                 lambda x, fmt, q, scale, minimum: x.new_empty(x.shape[0], q.shape[0]))
+            torch.library.register_fake("accessory::int4_int8x_linear_cpu")(
+                lambda x, q, scale, minimum, outputs: x.new_empty(x.shape[0], outputs))
             torch.library.register_fake("accessory::linear_cpu")(lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
             torch.library.register_fake("accessory::decode_attention_cpu")(lambda q, k, v, pos: q.new_empty(q.shape))
             _library = path
@@ -111,6 +113,11 @@ def _time_one_row(rounds: int = 5) -> tuple[float, float]:
                     product(x, w)
                 times[name].append((time.perf_counter() - start) / len(weights) * 1e3)
     return statistics.median(times["kernel"][1:]), statistics.median(times["blas"][1:])
+
+
+def int4_int8x() -> bool:
+    """Whether the kernels have the int4 product with x in int8 (built for AVX-512 with VNNI, or AVX2): a draft's."""
+    return cpu_kernels() and bool(ctypes.CDLL(str(_library)).accessory_int4_int8x())
 
 
 def kernel_isa() -> str:

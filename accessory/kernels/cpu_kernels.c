@@ -14,12 +14,14 @@
 
    x stays float: each group of W is dequantized in registers, exactly as the reference computes it (one rounding of
    scale * q + min), and multiplied with x in float. For float32 W this is the same loop without the dequantizing:
-   at decode's few rows it beats a GEMM library, whose blocking and packing pay off only for many rows. Rows of W are split across OpenMP threads (the runtime torch
-   itself uses); up to ROWS_AT_ONCE rows of x share each dequantized group. One row of x (batch-1 decode) on AVX-512
-   takes a loop per format instead (the section "one row of x"). Built at first use with the machine's C compiler
-   and -march=native: AVX-512, AVX2 + FMA + F16C, or plain C. */
+   at decode's few rows it beats a GEMM library, whose blocking and packing pay off only for many rows. Rows of W
+   are split across OpenMP threads (the runtime torch itself uses); up to ROWS_AT_ONCE rows of x share each
+   dequantized group. One row of x (batch-1 decode) on AVX-512 takes a loop per format instead (the section "one row
+   of x"). The one inexact product is a draft model's: int4 with x in int8 (its own section). Built at first use
+   with the machine's C compiler and -march=native: AVX-512, AVX2 + FMA + F16C, or plain C. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -755,6 +757,136 @@ static void one_row_int4(const float *x, int64_t K, const uint8_t *q, const uint
     ONE_ROW_LOOP(N, N * K / 2, y[n] = row_int4(x, K, q + n * (K / 2), scale + n * (K / 32), mins + n * (K / 32)))
 }
 #endif
+
+/* ---- int4 with x in int8 (a draft model's products) --------------------------------------------------------- */
+
+/* A draft's products need not be exact (every token it proposes is verified), so its int4 weights may be multiplied
+   the way llama.cpp multiplies Q4_1 with x: x quantized to int8 per group of 32 (scale max |x| / 127, as Q8_0),
+   integer dot products of 4 bytes a lane (AVX-512 VNNI's vpdpbusd, or AVX2's vpmaddubsw and vpmaddwd), then per
+   group y += s * xs * sum(q * xq) + mn * sum(x). The weights are repacked for it (dispatch.py pack_int4_int8x) in
+   tiles of 16 rows of W, so that a vector's lanes are rows and no row needs a horizontal sum: per tile and group 256
+   bytes, 4 vectors of 64; vector i's 4 bytes 4r..4r+3 hold row r's inputs 4i..4i+3 in their low nibbles and
+   16+4i..16+4i+3 in their high ones (AVX2 takes a tile's rows 0-7 and 8-15 as two halves of 32 bytes); scales and
+   minimums (tiles, groups, 16) fp16. Rows past N are zeros. */
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) || \
+    (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#define INT4_INT8X 1
+
+/* A row of x as int8 per group of 32: xq = x * (127 / max |x|) rounded to nearest even (as torch.round), the
+   group's scale xs = max |x| / 127 and its float sum. */
+static void quantize_x(const float *x, int64_t K, int8_t *xq, float *xs, float *xsum) {
+    for (int64_t g = 0; g < K / 32; g++) {
+        const float *xg = x + 32 * g;
+        float most = 0, sum = 0;
+        for (int k = 0; k < 32; k++) {
+            most = fmaxf(most, fabsf(xg[k]));
+            sum += xg[k];
+        }
+        const float inverse = most > 0 ? 127.0f / most : 0.0f;
+        for (int k = 0; k < 32; k++) xq[32 * g + k] = (int8_t)nearbyintf(xg[k] * inverse);
+        xs[g] = most / 127.0f;
+        xsum[g] = sum;
+    }
+}
+
+INLINE int32_t four_bytes(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+#if defined(__AVX512VNNI__)
+#define TILE_PARTS 1 /* a tile at once */
+/* One tile's 16 rows of W times one quantized row of x. */
+INLINE void int8x_tile(const int8_t *xq, const float *xs, const float *xsum, int64_t groups, const uint8_t *q,
+                       const uint16_t *scale, const uint16_t *mins, int part, float *out) {
+    (void)part;
+    const __m512i nibble = _mm512_set1_epi8(15);
+    __m512 acc = _mm512_setzero_ps(), acc_min = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *v = q + 256 * g;
+        const int8_t *xg = xq + 32 * g;
+        __m512i low = _mm512_setzero_si512(), high = _mm512_setzero_si512();
+        for (int i = 0; i < 4; i++) {
+            const __m512i w = _mm512_loadu_si512((const void *)(v + 64 * i));
+            low = _mm512_dpbusd_epi32(low, _mm512_and_si512(w, nibble), _mm512_set1_epi32(four_bytes(xg + 4 * i)));
+            high = _mm512_dpbusd_epi32(high, _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble),
+                                       _mm512_set1_epi32(four_bytes(xg + 16 + 4 * i)));
+        }
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scale + 16 * g)));
+        const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + 16 * g)));
+        const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(low, high));
+        acc = _mm512_fmadd_ps(dots, _mm512_mul_ps(s, _mm512_set1_ps(xs[g])), acc);
+        acc_min = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[g]), acc_min);
+    }
+    _mm512_storeu_ps(out, _mm512_add_ps(acc, acc_min));
+}
+#else
+#define TILE_PARTS 2 /* a tile's rows 0-7, then 8-15 */
+/* Half `part` of one tile (8 rows of W) times one quantized row of x. A byte product is at most 15 * 127, so the 8
+   vpmaddubsw sums of a group (pairs of products) add up in 16 bits without saturating (8 * 3810 < 32767). */
+INLINE void int8x_tile(const int8_t *xq, const float *xs, const float *xsum, int64_t groups, const uint8_t *q,
+                       const uint16_t *scale, const uint16_t *mins, int part, float *out) {
+    const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps(), acc_min = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *v = q + 256 * g + 32 * part;
+        const int8_t *xg = xq + 32 * g;
+        __m256i pairs = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(v + 64 * i));
+            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(_mm256_and_si256(w, nibble),
+                                                                 _mm256_set1_epi32(four_bytes(xg + 4 * i))));
+            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), nibble),
+                                                                 _mm256_set1_epi32(four_bytes(xg + 16 + 4 * i))));
+        }
+        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + 16 * g + 8 * part)));
+        const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + 16 * g + 8 * part)));
+        const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+        acc = _mm256_fmadd_ps(dots, _mm256_mul_ps(s, _mm256_set1_ps(xs[g])), acc);
+        acc_min = _mm256_fmadd_ps(mn, _mm256_set1_ps(xsum[g]), acc_min);
+    }
+    _mm256_storeu_ps(out, _mm256_add_ps(acc, acc_min));
+}
+#endif
+
+/* y (M, N) = x (M, K) @ W^T, W packed as above (ceil(N / 16) tiles). Returns 0, or -1 without memory. */
+int accessory_linear_int4_int8x(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *scale,
+                                const uint16_t *mins, int64_t N, float *y) {
+    const int64_t groups = K / 32, units = (N + 15) / 16 * TILE_PARTS, rows = 16 / TILE_PARTS;
+    int8_t *xq = malloc(M * K);
+    float *xs = malloc(2 * M * groups * sizeof(float)), *xsum = xs + M * groups;
+    if (!xq || !xs) {
+        free(xq);
+        free(xs);
+        return -1;
+    }
+    for (int64_t m = 0; m < M; m++) quantize_x(x + m * K, K, xq + m * K, xs + m * groups, xsum + m * groups);
+#pragma omp parallel for schedule(static)
+    for (int64_t unit = 0; unit < units; unit++) {
+        const int64_t t = unit / TILE_PARTS, n = unit * rows, kept = N - n < rows ? N - n : rows;
+        if (kept <= 0) continue; /* a padding half */
+        for (int64_t m = 0; m < M; m++) {
+            float out[16];
+            int8x_tile(xq + m * K, xs + m * groups, xsum + m * groups, groups, q + 256 * groups * t,
+                       scale + 16 * groups * t, mins + 16 * groups * t, (int)(unit % TILE_PARTS), out);
+            memcpy(y + m * N + n, out, kept * sizeof(float));
+        }
+    }
+    free(xq);
+    free(xs);
+    return 0;
+}
+#endif
+
+/* Whether accessory_linear_int4_int8x is built (AVX-512 with VNNI, or AVX2). */
+int accessory_int4_int8x(void) {
+#ifdef INT4_INT8X
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* y (M, N) = x (M, K) @ W^T: tiles of ROWS_OF_W rows of W, then W's last rows one by one, split across threads.
    With one row of x there is nothing to share a weight vector with: W's rows go one by one (measured faster), and

@@ -8,6 +8,10 @@ torch path that computes the same values by other arithmetic.
   CPU (BLOCK_KERNEL_MAX_ROWS for GGUF's block formats), and up to MAX_ROWS rows of bfloat16 / float16 x on CUDA
   (Triton kernels, cuda.py; int8 / int4); more rows (prefill), float32 on CUDA, GGUF's block formats on CUDA, or no
   kernels: W is dequantized in row chunks for F.linear.
+- `quantized_linear` with `int8x` parts (a draft model's int4 weights repacked by `pack_int4_int8x`): up to
+  INT8X_MAX_ROWS rows take the kernel that quantizes x to int8 and multiplies in integers (AVX-512 VNNI or AVX2), as
+  llama.cpp does Q4_1. Close to the exact product, not equal: a draft's proposals are verified, so its numerics
+  cannot change the output. More rows take the exact paths above.
 - `decode_attention`: a few queries per cache row over that row's own cached positions. The kernel on the CPU with
   float32 caches; elsewhere, SDPA over the first `columns` columns with the position mask.
 - `grouped_experts`: a mixture of experts' MLPs, one product per chosen expert on its tokens (eager, and compiled
@@ -26,7 +30,7 @@ import torch.nn.functional as F
 
 from accessory.kernels.cuda import takes as cuda_takes
 from accessory.kernels.build import cpu_kernels, loaded, one_row_float_kernel
-from accessory.quant.formats import GGUF_BLOCKS, PARTS, QUANTIZERS, dequantize
+from accessory.quant.formats import GGUF_BLOCKS, PARTS, QUANTIZERS, dequantize, unpack_int4
 
 # Rows of x above which the library's GEMM beats the kernels: with W float32, and with W quantized (dequantized in
 # chunks first). Measured on SmolLM2's shapes (benchmarks/README.md).
@@ -36,6 +40,9 @@ KERNEL_MAX_ROWS = 32
 # a million weights), so the kernels stay as fast or faster up to about 128 rows (Gemma 3 270M's products, one
 # thread: Q6_K's cross there, Q4_K's near 200, Q5_0's near 500; benchmarks/README.md)
 BLOCK_KERNEL_MAX_ROWS = 128
+# A draft's steps feed one token per row (a decode step) or a few: the int8-x kernel for those, the exact paths for
+# more (a prefill).
+INT8X_MAX_ROWS = 8
 CHUNK_BYTES = 8 << 20  # float32 bytes of W dequantized at once on the portable path
 
 
@@ -72,11 +79,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def quantized_linear(x: torch.Tensor, fmt: str, q: torch.Tensor, scale: Optional[torch.Tensor] = None,
-                     minimum: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x (..., in) @ W^T -> (..., out) in x's dtype, W given by its parts in `fmt` (formats.py)."""
+                     minimum: Optional[torch.Tensor] = None,
+                     int8x: Optional[tuple[torch.Tensor, ...]] = None) -> torch.Tensor:
+    """x (..., in) @ W^T -> (..., out) in x's dtype, W given by its parts in `fmt` (formats.py); int4 may come with
+    its `int8x` repacking too (a draft's weights: pack_int4_int8x)."""
     rows = x.reshape(-1, x.shape[-1])
     most = BLOCK_KERNEL_MAX_ROWS if fmt in GGUF_BLOCKS else KERNEL_MAX_ROWS
-    if rows.shape[0] <= most and _kernels_here(x.device):
+    if int8x is not None and rows.shape[0] <= INT8X_MAX_ROWS and _kernels_here(x.device):
+        out = torch.ops.accessory.int4_int8x_linear_cpu(rows.float().contiguous(), *int8x, q.shape[0]).to(x.dtype)
+    elif rows.shape[0] <= most and _kernels_here(x.device):
         out = torch.ops.accessory.quantized_linear_cpu(rows.float().contiguous(), fmt, q, scale, minimum)
         out = out.to(x.dtype)
     elif fmt in QUANTIZERS and cuda_takes(rows):
@@ -84,6 +95,24 @@ def quantized_linear(x: torch.Tensor, fmt: str, q: torch.Tensor, scale: Optional
     else:
         out = _dequantized_product(rows, fmt, q, scale, minimum)
     return out.reshape(*x.shape[:-1], q.shape[0])
+
+
+def pack_int4_int8x(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """int4 parts (formats.py) in the layout of the int8-x kernel (cpu_kernels.c): tiles of 16 rows of W (the last
+    padded with zero rows); per tile and group of 32 inputs, 4 x 64 bytes, byte 4r + c of vector i holding row r's
+    inputs 4i + c (low nibble) and 16 + 4i + c (high nibble); scale and min (tiles, groups * 16), a group's 16 rows
+    together. -> (q, scale, min)."""
+    out, groups = scale.shape
+    tiles = -(-out // 16)
+    padded = tiles * 16 - out
+    values = F.pad(unpack_int4(q), (0, 0, 0, padded)).reshape(tiles, 16, groups, 2, 4, 4)  # t, r, g, half, i, c
+    values = values.permute(0, 2, 4, 1, 5, 3)  # t, g, i, r, c, half
+    packed = (values[..., 0] | (values[..., 1] << 4)).reshape(tiles, groups * 256)
+
+    def by_tile(part: torch.Tensor) -> torch.Tensor:
+        return F.pad(part, (0, 0, 0, padded)).reshape(tiles, 16, groups).transpose(1, 2).reshape(tiles, groups * 16)
+
+    return packed.contiguous(), by_tile(scale).contiguous(), by_tile(minimum).contiguous()
 
 
 def _dequantized_product(x, fmt, q, scale, minimum) -> torch.Tensor:

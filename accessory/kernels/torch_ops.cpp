@@ -1,5 +1,5 @@
 // The CPU kernels of cpu_kernels.c as torch operators (accessory::linear_cpu, quantized_linear_cpu,
-// decode_attention_cpu),
+// int4_int8x_linear_cpu, decode_attention_cpu),
 // so that eager code and torch.compile's generated code both reach them through the dispatcher at C++ cost.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -16,6 +16,9 @@ void accessory_linear_int8(const float *x, int64_t M, int64_t K, const int8_t *q
 void accessory_linear_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y);
 int accessory_linear_gguf(const char *fmt, const float *x, int64_t M, int64_t K, const uint8_t *q, int64_t N,
                           float *y);
+int accessory_linear_int4_int8x(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *scale,
+                               const uint16_t *mins, int64_t N, float *y);
+int accessory_int4_int8x(void);
 void accessory_decode_attention(const float *q, const float *k, const float *v, const int64_t *positions, int64_t B,
                                 int64_t L, int64_t H, int64_t Hkv, int64_t S, int64_t D, float *out);
 }
@@ -65,6 +68,29 @@ static at::Tensor quantized_linear_cpu(const at::Tensor &x, c10::string_view fmt
     return y;
 }
 
+// int4 repacked for the product with x in int8 (cpu_kernels.c, dispatch.py pack_int4_int8x): q (tiles, groups * 256) uint8, scale and
+// min (tiles, groups * 16) fp16; `outputs` the rows of W (the last tile's rows past it are padding).
+static at::Tensor int4_int8x_linear_cpu(const at::Tensor &x, const at::Tensor &q, const at::Tensor &scale,
+                                       const at::Tensor &minimum, int64_t outputs) {
+    TORCH_CHECK(accessory_int4_int8x(), "int4_int8x_linear_cpu: the kernels were built without AVX-512 VNNI or AVX2");
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % 32 == 0,
+                "int4_int8x_linear_cpu: x must be a contiguous float32 matrix, its columns a multiple of 32");
+    const int64_t rows = x.size(0), features = x.size(1), tiles = (outputs + 15) / 16, groups = features / 32;
+    TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.dim() == 2 && q.size(0) == tiles &&
+                q.size(1) == groups * 256 && scale.scalar_type() == at::kHalf && scale.is_contiguous() &&
+                minimum.scalar_type() == at::kHalf && minimum.is_contiguous() && scale.numel() == tiles * groups * 16 &&
+                minimum.numel() == scale.numel(),
+                "int4_int8x_linear_cpu: q (", tiles, ", ", groups * 256, ") uint8 and scale, min (", tiles, ", ",
+                groups * 16, ") float16 expected for ", outputs, " x ", features);
+    at::Tensor y = at::empty({rows, outputs}, x.options());
+    const int failed = accessory_linear_int4_int8x(x.data_ptr<float>(), rows, features, q.data_ptr<uint8_t>(),
+                                                  reinterpret_cast<const uint16_t *>(scale.data_ptr()),
+                                                  reinterpret_cast<const uint16_t *>(minimum.data_ptr()), outputs,
+                                                  y.data_ptr<float>());
+    TORCH_CHECK(!failed, "int4_int8x_linear_cpu: out of memory for x's ", rows * features, " int8 values");
+    return y;
+}
+
 static at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &w) {
     TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
                 x.is_contiguous() && w.is_contiguous() && x.size(1) == w.size(1) && w.size(1) % 32 == 0,
@@ -93,12 +119,14 @@ static at::Tensor decode_attention_cpu(const at::Tensor &q, const at::Tensor &k,
 
 TORCH_LIBRARY(accessory, m) {
     m.def("quantized_linear_cpu(Tensor x, str fmt, Tensor q, Tensor? scale, Tensor? minimum) -> Tensor");
+    m.def("int4_int8x_linear_cpu(Tensor x, Tensor q, Tensor scale, Tensor minimum, int outputs) -> Tensor");
     m.def("linear_cpu(Tensor x, Tensor w) -> Tensor");
     m.def("decode_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor positions) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(accessory, CPU, m) {
     m.impl("quantized_linear_cpu", &quantized_linear_cpu);
+    m.impl("int4_int8x_linear_cpu", &int4_int8x_linear_cpu);
     m.impl("linear_cpu", &linear_cpu);
     m.impl("decode_attention_cpu", &decode_attention_cpu);
 }

@@ -31,7 +31,8 @@ from torch import nn
 from accessory.parallel.context import ParallelContext
 from accessory.quant.formats import block_size
 from accessory.kernels import linear, quantized_linear
-from accessory.parallel.quantized_weight import QuantizedWeight
+from accessory.kernels.build import int4_int8x
+from accessory.parallel.quantized_weight import QuantizedWeight, hold_int8x_copy, int8x_parts
 
 
 @dataclass(frozen=True)
@@ -235,10 +236,24 @@ class FusedColumns(nn.Module):
         if self.fmt is None:
             y = linear(x, self.weight)
         else:
-            y = quantized_linear(x, self.fmt, self.q, getattr(self, "scale", None), getattr(self, "min", None))
+            y = quantized_linear(x, self.fmt, self.q, getattr(self, "scale", None), getattr(self, "min", None),
+                                 int8x_parts(self))
         if self.bias is not None:
             y = y + self.bias
         return [layer.adapted(x, part) for layer, part in zip(self.layers, y.split(self.sizes, dim=-1))]
+
+
+def repack_int4_for_int8x(model: nn.Module) -> int:
+    """Give each int4 product of `model` on the CPU its int8-x copy (hold_int8x_copy), where the kernels have that
+    product (AVX-512 with VNNI, or AVX2): for a draft model, whose products need not be exact. The layers of a
+    FusedColumns are not products of their own (its stacked weight is). Returns the bytes added."""
+    if not int4_int8x():
+        return 0
+    fused = {id(layer.weight) for module in model.modules() if isinstance(module, FusedColumns)
+             for layer in module.layers}
+    return sum(hold_int8x_copy(module) for module in model.modules()
+               if isinstance(module, (FusedColumns, QuantizedWeight)) and module.fmt == "int4"
+               and module.q.device.type == "cpu" and id(module) not in fused)
 
 
 class RowParallelLinear(ParallelWeight):

@@ -17,6 +17,7 @@ from torch import nn
 from accessory.quant.formats import (GROUP, PART_DTYPES, block_size, check_format, dequantize, packed_in,
                                      part_shapes, quantize)
 from accessory.kernels import quantized_linear
+from accessory.kernels.dispatch import pack_int4_int8x
 
 
 class QuantizedWeight(nn.Module):
@@ -37,7 +38,8 @@ class QuantizedWeight(nn.Module):
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) @ W^T -> (..., out)."""
-        return quantized_linear(x, self.fmt, self.q, getattr(self, "scale", None), getattr(self, "min", None))
+        return quantized_linear(x, self.fmt, self.q, getattr(self, "scale", None), getattr(self, "min", None),
+                                int8x_parts(self))
 
     def embed(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `tokens` of W, dequantized: an embedding lookup (..., in)."""
@@ -63,6 +65,25 @@ class QuantizedWeight(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.fmt}, {self.shape[0]}x{self.shape[1]}, blocks of {block_size(self.fmt)}"
+
+
+INT8X_PARTS = ("int8x_q", "int8x_scale", "int8x_min")
+
+
+def hold_int8x_copy(module: nn.Module) -> int:
+    """Give `module` (int4 parts q, scale, min) a copy of them repacked for the kernel that takes x in int8
+    (kernels/dispatch.py pack_int4_int8x), which its few-row products then take: a draft's. Buffers not saved (they
+    are derived); the int4 parts stay for what reads them (prefill, an embedding lookup, saving). Returns the bytes
+    added."""
+    packed = pack_int4_int8x(module.q, module.scale, module.min)
+    for name, part in zip(INT8X_PARTS, packed):
+        module.register_buffer(name, part, persistent=False)
+    return sum(part.numel() * part.element_size() for part in packed)
+
+
+def int8x_parts(module: nn.Module):
+    """The module's int8-x copy of its weight (hold_int8x_copy), or None."""
+    return tuple(getattr(module, name) for name in INT8X_PARTS) if hasattr(module, INT8X_PARTS[0]) else None
 
 
 def part_shard(shard, fmt: str, part: str):

@@ -24,6 +24,7 @@ from accessory.network.LLM import model_classes
 from accessory.network.memory import back_with_huge_pages, check_fits, return_freed_memory
 from accessory.parallel import ParallelContext, fairscale_model_parallel_group, init_distributed
 from accessory.parallel.context import leave_at_exit
+from accessory.parallel.layers import repack_int4_for_int8x
 from accessory.parallel.watchdog import start_watchdog
 from accessory.text.tokenizer import Tokenizer, find_tokenizer
 
@@ -85,6 +86,8 @@ def load(pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optio
     draft_folders = None
     if speculative is not None and speculative.model is not None:
         draft_folders = folders if speculative.model == "self" else [imported(Path(speculative.model))]
+        if speculative.model == "self":
+            check_self_draft(spec, quant, speculative.quant, folders[-1])
     llma = load_network(folders, spec, tokenizer, ctx, max_seq_len, dtype, device, quant, adapters)
     draft = None
     if draft_folders is not None:
@@ -94,6 +97,9 @@ def load(pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optio
             check_draft_tokenizer(tokenizer, draft_folders)
         draft = load_network(draft_folders, draft_spec, tokenizer, ctx, max_seq_len, dtype, device,
                              speculative.quant)
+        added = repack_int4_for_int8x(draft)  # its proposals are verified: x in int8 is exact enough
+        if added:
+            log.info("draft: int4 products with x in int8 (%d MiB of repacked weights)", added >> 20)
         if hasattr(llma, "image_features") and not hasattr(draft, "image_features"):
             raise ConfigError(f"speculative_config model {speculative.model!r} reads text only; the target "
                               f"{folders[-1]} reads images: its draft must too")
@@ -161,6 +167,18 @@ def load_network(folders: list[Path], spec: CheckpointSpec, tokenizer: Tokenizer
              f", {describe(formats)}" if formats else "", ctx.world_size, dtype, device,
              f", PEFT adapter(s) {[str(path) for _, path in adapters]}" if adapters else "")
     return llma.eval()
+
+
+def check_self_draft(spec: CheckpointSpec, quant, draft_quant, source: Path) -> None:
+    """A quantized model drafting for itself in its own format would draft with its own weights as they are: as
+    slow as itself, so it never pays (and its compiled steps could not be told from the target's)."""
+    held = spec.quantization.quant if spec.quantization is not None else None
+    target, draft = held or QUANT_NAMES.get(quant), held or QUANT_NAMES.get(draft_quant)
+    if target is not None and target == draft:
+        raise ConfigError(f'speculative_config {{"model": "self", "quant": {draft_quant!r}}}: the target {source} is '
+                          f'held in {target} already, so its draft would be the same weights in the same format, as '
+                          f'slow as the target; draft a float or int8 model with "quant": "int4", or draft with '
+                          f'another checkpoint')
 
 
 def check_draft_tokenizer(tokenizer: Tokenizer, folders: list[Path]) -> None:

@@ -12,7 +12,8 @@ Candidates:
 - int8: torch's `_weight_int8pack_mm` (per-channel scales), FBGEMM's `quantized.linear_dynamic` (per-channel, and
   it also quantizes x, so not weight-only), inductor-compiled dequantize + F.linear (groups of 32), and ours.
 - int4: torch's `_weight_int4pack_mm_for_cpu` (groups of 32), inductor-compiled dequantize + F.linear (groups of
-  32), and ours (groups of 32, GGUF's layout).
+  32), ours (groups of 32, GGUF's layout), and ours with x quantized to int8 (a draft model's products: not exact;
+  the int4 weights repacked in tiles of 16 rows).
 
     python benchmarks/kernels.py --rows 1 16 --repeats 5 --threads 2
 
@@ -148,6 +149,17 @@ def ours(fmt):
     return prepare
 
 
+def int4_int8x(weights):
+    """int4 with x quantized to int8 (a draft model's products, inexact; AVX-512 VNNI or AVX2), its own repacking;
+    the operator called directly, whatever the row count."""
+    from accessory.kernels.dispatch import pack_int4_int8x
+
+    parts, _ = grouped(weights, "int4")
+    packed = [pack_int4_int8x(p["q"], p["scale"], p["min"]) for p in parts]
+    nbytes = sum(t.numel() * t.element_size() for p in packed for t in p)
+    return (lambda i, x: torch.ops.accessory.int4_int8x_linear_cpu(x, *packed[i], parts[i]["q"].shape[0])), nbytes
+
+
 def int4_pack_mm(weights):
     from accessory.quant.formats import quantize, unpack_int4
 
@@ -244,6 +256,7 @@ CANDIDATES = [
     ("int4 torch._weight_int4pack_mm_for_cpu, groups of 32", int4_pack_mm),
     ("int4 torch.compile(dequantize + F.linear), groups of 32", compiled_dequantize("int4")),
     ("int4 ours, groups of 32 (GGUF Q4_1 layout)", ours("int4")),
+    ("int4 ours with x in int8 (a draft's: inexact), tiles of 16 rows", int4_int8x),
 ]
 
 if __name__ == "__main__":

@@ -68,18 +68,19 @@ static at::Tensor quantized_linear_cpu(const at::Tensor &x, c10::string_view fmt
     return y;
 }
 
-// int4 repacked for the product with x in int8 (cpu_kernels.c, dispatch.py pack_int4_int8x): q (tiles, groups * 256) uint8, scale and
-// min (tiles, groups * 16) fp16; `outputs` the rows of W (the last tile's rows past it are padding).
+// int4 repacked for the product with x in int8 (cpu_kernels.c, dispatch.py pack_int4_int8x): q (tiles, groups * 256)
+// uint8, scale and min (tiles, groups * 16) fp16; `outputs` the rows of W (the last tile's rows past it are padding).
 static at::Tensor int4_int8x_linear_cpu(const at::Tensor &x, const at::Tensor &q, const at::Tensor &scale,
                                        const at::Tensor &minimum, int64_t outputs) {
-    TORCH_CHECK(accessory_int4_int8x(), "int4_int8x_linear_cpu: the kernels were built without AVX-512 VNNI or AVX2");
+    TORCH_CHECK(accessory_int4_int8x(),
+                "int4_int8x_linear_cpu: the kernels were built without AVX-512 VNNI or AVX2");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % 32 == 0,
                 "int4_int8x_linear_cpu: x must be a contiguous float32 matrix, its columns a multiple of 32");
     const int64_t rows = x.size(0), features = x.size(1), tiles = (outputs + 15) / 16, groups = features / 32;
     TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.dim() == 2 && q.size(0) == tiles &&
                 q.size(1) == groups * 256 && scale.scalar_type() == at::kHalf && scale.is_contiguous() &&
-                minimum.scalar_type() == at::kHalf && minimum.is_contiguous() && scale.numel() == tiles * groups * 16 &&
-                minimum.numel() == scale.numel(),
+                minimum.scalar_type() == at::kHalf && minimum.is_contiguous() &&
+                scale.numel() == tiles * groups * 16 && minimum.numel() == scale.numel(),
                 "int4_int8x_linear_cpu: q (", tiles, ", ", groups * 256, ") uint8 and scale, min (", tiles, ", ",
                 groups * 16, ") float16 expected for ", outputs, " x ", features);
     at::Tensor y = at::empty({rows, outputs}, x.options());

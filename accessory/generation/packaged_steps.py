@@ -9,8 +9,8 @@ processes load it (well under a second). A package is code, so it is loaded only
 One that does not load (a corrupt file) is reported and compiled again. What cannot be packaged runs under
 torch.compile (model_runner.compiled), with one line saying why: a mixture of experts (its dispatch,
 accessory::grouped_experts, is a Python operator), more than one rank (a package compiles at 2 ranks, but its
-collectives fail when it runs: AOTInductor's `_c10d_functional.wait_tensor` on gloo, torch 2.13), a cache that is not
-private, or an export or compilation that fails. A verify step of several rows runs under torch.compile
+collectives fail when it runs, on gloo with torch 2.13: several rows' `_c10d_functional.wait_tensor` raises, one row's
+step hangs), a cache that is not private, or an export or compilation that fails. A verify step of several rows runs under torch.compile
 too (speculation pays at few rows, where one row is the common case).
 """
 from __future__ import annotations

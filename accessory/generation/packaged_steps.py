@@ -10,8 +10,8 @@ One that does not load (a corrupt file) is reported and compiled again. What can
 torch.compile (model_runner.compiled), with one line saying why: a mixture of experts (its dispatch,
 accessory::grouped_experts, is a Python operator), more than one rank (a package compiles at 2 ranks, but its
 collectives fail when it runs, on gloo with torch 2.13: several rows' `_c10d_functional.wait_tensor` raises, one row's
-step hangs), a cache that is not private, or an export or compilation that fails. A verify step of several rows runs under torch.compile
-too (speculation pays at few rows, where one row is the common case).
+step hangs), a cache that is not private, or an export or compilation that fails. A verify step of several rows runs
+under torch.compile too (speculation pays at few rows, where one row is the common case).
 """
 from __future__ import annotations
 
@@ -189,8 +189,8 @@ class PackagedStep:
 def why_not_packaged(model) -> Optional[str]:
     """Why the model's steps cannot be packaged here, or None."""
     if model.ctx.world_size > 1:
-        return (f"packages are made at one rank (at several, a package's collectives fail when it runs), and this model "
-                f"runs on {model.ctx.world_size}")
+        return (f"packages are made at one rank (at several, a package's collectives fail when it runs), and this "
+                f"model runs on {model.ctx.world_size}")
     if any(isinstance(module, MoEFeedForward) for module in model.modules()):
         return "a mixture of experts' dispatch (accessory::grouped_experts) is a Python operator, which an " \
                "AOTInductor package cannot call"

@@ -18,7 +18,7 @@ setup(
     packages=find_packages(include=["accessory", "accessory.*"]) + ["accessory.configs"],
     package_dir={"accessory.configs": "configs"},
     package_data={
-        "accessory.kernels": ["cpu_kernels.c", "torch_ops.cpp"],  # compiled on the user's machine at first use
+        "accessory.kernels": ["cpu_kernels.c", "collectives.c", "torch_ops.cpp"],  # compiled on the user's machine at first use
         "accessory.configs": ["*/*.json", "*/*.yaml"],
     },
     python_requires=">=3.10",

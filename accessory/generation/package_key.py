@@ -23,7 +23,8 @@ def model_key(model) -> str:
     """The part of the key a loaded model fixes (computed once per engine: it reads no weight's values)."""
     parts = [repr(sorted(asdict(model.args).items())), type(model).__name__, str(model.dtype),
              *_weights_layout(model), source_fingerprint(), torch.__version__, platform.machine(),
-             torch.backends.cpu.get_cpu_capability(), f"rank {model.ctx.rank} of {model.ctx.world_size}"]
+             torch.backends.cpu.get_cpu_capability(), f"rank {model.ctx.rank} of {model.ctx.world_size}",
+             f"shared-memory group {model.ctx.local.handle if model.ctx.local is not None else None}"]
     return _digest(parts)
 
 

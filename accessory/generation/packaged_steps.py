@@ -188,9 +188,9 @@ class PackagedStep:
 
 def why_not_packaged(model) -> Optional[str]:
     """Why the model's steps cannot be packaged here, or None."""
-    if model.ctx.world_size > 1:
-        return (f"packages are made at one rank (at several, a package's collectives fail when it runs), and this "
-                f"model runs on {model.ctx.world_size}")
+    if model.ctx.world_size > 1 and model.ctx.local is None:
+        return (f"a package's collectives must be shared-memory operators (through gloo they fail when it runs), and "
+                f"this model's {model.ctx.world_size} ranks exchange through gloo")
     if any(isinstance(module, MoEFeedForward) for module in model.modules()):
         return "a mixture of experts' dispatch (accessory::grouped_experts) is a Python operator, which an " \
                "AOTInductor package cannot call"

@@ -1,7 +1,8 @@
 """Building and loading the CPU kernels.
 
-cpu_kernels.c (the arithmetic: plain C with AVX-512 or AVX2 intrinsics) and torch_ops.cpp (thin torch operators
-around it) are compiled at first use with the machine's compilers, `-O3 -march=native -fopenmp` against torch's own
+cpu_kernels.c (the arithmetic: plain C with AVX-512 or AVX2 intrinsics), collectives.c (all-reduce and gathers
+between the ranks of one machine through shared memory) and torch_ops.cpp (thin torch operators around them) are
+compiled at first use with the machine's compilers, `-O3 -march=native -fopenmp` against torch's own
 headers (about 6 seconds), into $ACCESSORY_CACHE/kernels/<hash of sources, compilers, torch and CPU>/, and loaded
 with torch.ops.load_library. They share torch's OpenMP runtime (both use libgomp.so.1), so torch.set_num_threads
 sets their threads too. Loading a library runs its code, so a cached one is loaded only from folders private to this
@@ -31,7 +32,7 @@ import torch
 from accessory.cache_dir import cache_dir, cache_folder, untrusted
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "torch_ops.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "collectives.c", "torch_ops.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC"]
 LIBRARY = "libaccessory_kernels.so"
 ONE_ROW_CHOICE = "one_row_float32.json"  # beside the library: whether one float32 row goes to the kernel here
@@ -56,6 +57,9 @@ def cpu_kernels() -> bool:
                 lambda x, q, scale, minimum, outputs: x.new_empty(x.shape[0], outputs))
             torch.library.register_fake("accessory::linear_cpu")(lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
             torch.library.register_fake("accessory::decode_attention_cpu")(lambda q, k, v, pos: q.new_empty(q.shape))
+            torch.library.register_fake("accessory::shm_all_reduce")(lambda x, group, timeout_s: torch.empty_like(x))
+            torch.library.register_fake("accessory::shm_all_gather")(
+                lambda x, group, world, timeout_s: x.new_empty(world, *x.shape))
             _library = path
             global _one_row_kernel
             _one_row_kernel = _one_row_choice(path.parent)
@@ -115,6 +119,11 @@ def _time_one_row(rounds: int = 5) -> tuple[float, float]:
     return statistics.median(times["kernel"][1:]), statistics.median(times["blas"][1:])
 
 
+def library_path() -> Optional[Path]:
+    """The loaded library (for its plain C functions, through ctypes), building it first if needed; None without."""
+    return _library if cpu_kernels() else None
+
+
 def int4_int8x() -> bool:
     """Whether the kernels have the int4 product with x in int8 (built for AVX-512 with VNNI, or AVX2): a draft's."""
     return cpu_kernels() and bool(ctypes.CDLL(str(_library)).accessory_int4_int8x())
@@ -167,10 +176,12 @@ def _compile(work: Path) -> Path:
     """Compile the library into the folder `work`; its path."""
     cc, cxx = _compiler("CC", "cc", "gcc"), _compiler("CXX", "c++", "g++")
     torch_dir = Path(torch.__file__).parent
-    kernels_o, library = work / "kernels.o", work / LIBRARY
-    _run([cc, *FLAGS, "-c", str(SOURCES[0]), "-o", str(kernels_o)])
-    _run([cxx, *FLAGS, "-std=c++17", _abi_flag(), "-shared", f"-I{torch_dir / 'include'}", str(SOURCES[1]),
-          str(kernels_o), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", "-o", str(library)])
+    *c_sources, cpp_source = SOURCES
+    objects, library = [work / f"{source.stem}.o" for source in c_sources], work / LIBRARY
+    for source, obj in zip(c_sources, objects):
+        _run([cc, *FLAGS, "-c", str(source), "-o", str(obj)])
+    _run([cxx, *FLAGS, "-std=c++17", _abi_flag(), "-shared", f"-I{torch_dir / 'include'}", str(cpp_source),
+          *map(str, objects), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", "-o", str(library)])
     library.chmod(0o700)  # writable by no one else whatever the umask, or the next process would not load it
     return library
 

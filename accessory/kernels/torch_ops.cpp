@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <string>
+#include <vector>
 
 extern "C" {
 void accessory_linear_int4(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *scale,
@@ -21,6 +22,9 @@ int accessory_linear_int4_int8x(const float *x, int64_t M, int64_t K, const uint
 int accessory_int4_int8x(void);
 void accessory_decode_attention(const float *q, const float *k, const float *v, const int64_t *positions, int64_t B,
                                 int64_t L, int64_t H, int64_t Hkv, int64_t S, int64_t D, float *out);
+int accessory_shm_all_reduce(int handle, const void *in, void *out, int64_t n, int dtype, double timeout_s);
+int accessory_shm_all_gather(int handle, const void *in, void *out, int64_t bytes, double timeout_s);
+const char *accessory_shm_error(void);
 }
 
 // GGUF's block formats (quant/formats.py GGUF_BLOCKS): values and bytes per block.
@@ -118,11 +122,48 @@ static at::Tensor decode_attention_cpu(const at::Tensor &q, const at::Tensor &k,
     return out;
 }
 
+// collectives.c's all-reduce and all-gather between the ranks of one machine, as operators so that a compiled step
+// calls them like the products (parallel/shared_memory.py owns the groups; `group` is its handle in this process).
+static int shm_dtype(const at::Tensor &x) {
+    switch (x.scalar_type()) {
+    case at::kFloat: return 0;
+    case at::kDouble: return 1;
+    case at::kBFloat16: return 2;
+    case at::kHalf: return 3;
+    case at::kInt: return 4;
+    case at::kLong: return 5;
+    default: TORCH_CHECK(false, "shm_all_reduce: no sum of ", x.scalar_type(), " tensors");
+    }
+}
+
+static at::Tensor shm_all_reduce(const at::Tensor &x, int64_t group, double timeout_s) {
+    TORCH_CHECK(x.device().is_cpu(), "shm_all_reduce: x must be on the CPU");
+    const at::Tensor in = x.contiguous();
+    at::Tensor out = at::empty_like(in);
+    TORCH_CHECK(!accessory_shm_all_reduce((int)group, in.data_ptr(), out.data_ptr(), in.numel(), shm_dtype(in),
+                                          timeout_s), accessory_shm_error());
+    return out;
+}
+
+// (world, *x.shape): every rank's x in rank order.
+static at::Tensor shm_all_gather(const at::Tensor &x, int64_t group, int64_t world, double timeout_s) {
+    TORCH_CHECK(x.device().is_cpu(), "shm_all_gather: x must be on the CPU");
+    const at::Tensor in = x.contiguous();
+    std::vector<int64_t> shape{world};
+    shape.insert(shape.end(), in.sizes().begin(), in.sizes().end());
+    at::Tensor out = at::empty(shape, in.options());
+    TORCH_CHECK(!accessory_shm_all_gather((int)group, in.data_ptr(), out.data_ptr(), in.nbytes(), timeout_s),
+                accessory_shm_error());
+    return out;
+}
+
 TORCH_LIBRARY(accessory, m) {
     m.def("quantized_linear_cpu(Tensor x, str fmt, Tensor q, Tensor? scale, Tensor? minimum) -> Tensor");
     m.def("int4_int8x_linear_cpu(Tensor x, Tensor q, Tensor scale, Tensor minimum, int outputs) -> Tensor");
     m.def("linear_cpu(Tensor x, Tensor w) -> Tensor");
     m.def("decode_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor positions) -> Tensor");
+    m.def("shm_all_reduce(Tensor x, int group, float timeout_s) -> Tensor");
+    m.def("shm_all_gather(Tensor x, int group, int world, float timeout_s) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(accessory, CPU, m) {
@@ -130,4 +171,6 @@ TORCH_LIBRARY_IMPL(accessory, CPU, m) {
     m.impl("int4_int8x_linear_cpu", &int4_int8x_linear_cpu);
     m.impl("linear_cpu", &linear_cpu);
     m.impl("decode_attention_cpu", &decode_attention_cpu);
+    m.impl("shm_all_reduce", &shm_all_reduce);
+    m.impl("shm_all_gather", &shm_all_gather);
 }

@@ -10,9 +10,11 @@ import datetime
 import functools
 import logging
 import os
+import pickle
 import sys
+from pathlib import Path
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -20,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from accessory.errors import ConfigError, RanksDisagree
+from accessory.parallel.shared_memory import SharedMemoryGroup, for_group, forget_groups
 from accessory.parallel.watchdog import announced_failure, stop_watchdog
 
 log = logging.getLogger(__name__)
@@ -38,6 +41,34 @@ def init_distributed(timeout_s: float = 600.0) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     log.debug("joined process group: rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(), backend)
+
+
+@functools.cache
+def share_cores() -> int:
+    """Under torchrun, this rank's threads: its share of the machine's cores, cores // (ranks on this machine), at
+    least 1, unless OMP_NUM_THREADS was set for the job. torchrun sets OMP_NUM_THREADS=1 for its workers when the
+    job did not (one core each of however many): that is not taken for a choice. Once a process; logged."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is None or _threads_chosen():
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    threads = max(1, cores // int(local))
+    torch.set_num_threads(threads)
+    log.info("%d thread(s) on this rank: %d cores on this machine for its %s ranks (OMP_NUM_THREADS chooses)",
+             threads, cores, local)
+    return threads
+
+
+def _threads_chosen() -> bool:
+    """Whether OMP_NUM_THREADS was set for the job, not by torchrun for its workers (then the launcher, this
+    process's parent, started without it)."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        return False
+    try:
+        launcher = Path(f"/proc/{os.getppid()}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return True
+    return "TORCHELASTIC_RUN_ID" not in os.environ or any(v.startswith(b"OMP_NUM_THREADS=") for v in launcher)
 
 
 def fairscale_model_parallel_group() -> Optional[dist.ProcessGroup]:
@@ -61,6 +92,7 @@ def shutdown_distributed(timeout_s: Optional[float] = None) -> None:
         else:
             dist.barrier()
         stop_watchdog()  # after the barrier: every rank is here, none may go silent while another still waits
+        forget_groups()
         dist.destroy_process_group()
 
 
@@ -68,6 +100,7 @@ def leave_distributed() -> None:
     """Leave the process group without a barrier: after a failure the other ranks may be elsewhere, and a barrier
     could hang (torchrun ends the rest)."""
     if dist.is_initialized():
+        forget_groups()
         dist.destroy_process_group()
 
 
@@ -147,6 +180,9 @@ class ParallelContext:
     world_size: int  # model-parallel size
     src: int  # global rank of model-parallel rank 0: the rank that owns I/O with the user
     timeout_s: float = 60.0  # the longest a rank waits for the others at a generation step (`sum_in_step`)
+    # the group's shared-memory segment when all its ranks are on this machine (parallel/shared_memory.py): then
+    # every collective below but the object ones goes through it, else through the process group
+    local: Optional[SharedMemoryGroup] = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_group(cls, group: Optional[dist.ProcessGroup] = None, timeout_s: float = 60.0) -> "ParallelContext":
@@ -156,8 +192,9 @@ class ParallelContext:
                 raise RuntimeError("mp_group was given but torch.distributed is not initialized")
             return cls(None, 0, 1, 0, timeout_s)
         group = group or dist.group.WORLD
-        return cls(group, dist.get_rank(group), dist.get_world_size(group), dist.get_global_rank(group, 0),
-                   timeout_s)
+        world = dist.get_world_size(group)
+        local = for_group(group) if world > 1 and dist.get_backend(group) == "gloo" else None
+        return cls(group, dist.get_rank(group), world, dist.get_global_rank(group, 0), timeout_s, local)
 
     @property
     def is_source(self) -> bool:
@@ -176,12 +213,16 @@ class ParallelContext:
         """The sum of every rank's x."""
         if self.world_size == 1:
             return x
+        if self.local is not None:
+            return self.local.all_reduce(x)
         return funcol.all_reduce(x, "sum", self.group)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's x, concatenated along `dim` in rank order."""
         if self.world_size == 1:
             return x
+        if self.local is not None:
+            return torch.cat(self.local.all_gather(x).unbind(0), dim=dim)
         if torch.compiler.is_compiling():
             # Inductor lowers all_reduce itself but calls all_gather through a Python fallback, which its C++
             # wrapper (the compiled step's on the CPU) cannot emit: sum the slices placed in zeros, the same values.
@@ -197,6 +238,10 @@ class ParallelContext:
         the source rank samples, so only it needs the whole vocabulary)."""
         if self.world_size == 1:
             return x
+        if self.local is not None:
+            with _peer_failures_named():
+                parts = self.local.gather(x, 0)
+            return torch.cat(parts.unbind(0), dim=dim) if parts is not None else None
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_source else None
         with _peer_failures_named():
@@ -206,6 +251,14 @@ class ParallelContext:
     def sum_in_step(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's x (in place), waiting at most `timeout_s` for the other ranks (on gloo; NCCL
         applies the process group's own timeout). Raises TimeoutError if they do not all come."""
+        if self.world_size > 1 and self.local is not None:
+            try:
+                with _peer_failures_named():
+                    return x.copy_(self.local.all_reduce(x, self.timeout_s))
+            except RuntimeError as e:
+                if "timed out" not in str(e):
+                    raise
+                raise TimeoutError(f"the other ranks did not join within {self.timeout_s:g} s") from None
         if self.world_size > 1:
             work = dist.all_reduce(x, group=self.group, async_op=True)
             try:
@@ -221,17 +274,31 @@ class ParallelContext:
         """Every rank ends with the source rank's `x` (in place)."""
         if self.world_size > 1:
             with _peer_failures_named():
-                dist.broadcast(x, src=self.src, group=self.group)
+                if self.local is not None and x.is_contiguous():
+                    self.local.broadcast_(x, 0)
+                else:
+                    dist.broadcast(x, src=self.src, group=self.group)
         return x
 
     def broadcast_object(self, obj: Any) -> Any:
         """The source rank's `obj` (picklable), on every rank."""
         if self.world_size == 1:
             return obj
+        if self.local is not None:
+            return self._broadcast_pickled(obj)
         box = [obj]
         with _peer_failures_named():
             dist.broadcast_object_list(box, src=self.src, group=self.group, device=self.device)
         return box[0]
+
+    def _broadcast_pickled(self, obj: Any) -> Any:
+        """The source rank's `obj` through the segment: its pickle's length, then its bytes."""
+        data = pickle.dumps(obj) if self.is_source else b""
+        size = int(self.broadcast(torch.tensor([len(data)], dtype=torch.long)))
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.is_source else torch.empty(
+            size, dtype=torch.uint8)
+        self.broadcast(buffer)
+        return obj if self.is_source else pickle.loads(buffer.numpy().tobytes())
 
     # Picklable objects between the group's ranks, for jobs that plan on one rank and share out the work (batch).
 

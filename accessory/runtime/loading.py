@@ -22,7 +22,7 @@ from accessory.generation.speculative import SpeculativeConfig
 from accessory.kernels import cpu_kernels
 from accessory.network.LLM import model_classes
 from accessory.network.memory import back_with_huge_pages, check_fits, return_freed_memory
-from accessory.parallel import ParallelContext, fairscale_model_parallel_group, init_distributed
+from accessory.parallel import ParallelContext, fairscale_model_parallel_group, init_distributed, share_cores
 from accessory.parallel.context import leave_at_exit
 from accessory.parallel.layers import repack_int4_for_int8x
 from accessory.parallel.watchdog import start_watchdog
@@ -69,6 +69,7 @@ def load(pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optio
         mp_group = fairscale_model_parallel_group()
     if not (isinstance(rank_timeout, (int, float)) and rank_timeout > 0):
         raise ConfigError(f"rank_timeout must be a number of seconds > 0, got {rank_timeout!r}")
+    share_cores()
     ctx = ParallelContext.from_group(mp_group, rank_timeout)
     if ctx.world_size > 1:
         start_watchdog(rank_timeout)

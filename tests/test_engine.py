@@ -63,9 +63,11 @@ def test_compiled_decode_gives_the_eager_tokens_and_compiles_at_most_twice(tiny_
 
 def traffic_per_step(folder) -> tuple:
     """Bytes this rank's engine exchanges at each step of one long generation (the step header it adds up with the
-    other ranks, broadcasts and gathers; the model's all-reduces inside a step are the same size at every step of
-    a batch), the texts, and every event this rank's stream yielded (each rank detokenizes its own tokens)."""
+    other ranks, broadcasts, and its record of its slice of the vocabulary for sampling; the model's all-reduces
+    inside a step are the same size at every step of a batch), the texts, and every event this rank's stream
+    yielded (each rank detokenizes its own tokens)."""
     from accessory.generation.engine import Engine
+    from accessory.generation.vocab_slices import VocabSlice
     from accessory.model.meta import MetaModel
     from accessory.parallel import ParallelContext
 
@@ -74,6 +76,7 @@ def traffic_per_step(folder) -> tuple:
     count = lambda kind, n: steps[-1].update({kind: steps[-1].get(kind, 0) + n}) if steps else None  # noqa: E731
     originals = {name: getattr(ParallelContext, name) for name in ("sum_in_step", "broadcast_object",
                                                                    "gather_to_source")}
+    records = VocabSlice._records
 
     def sum_in_step(ctx, x):
         count("tensor", x.nbytes)
@@ -88,6 +91,11 @@ def traffic_per_step(folder) -> tuple:
         count("gather", x.nbytes)
         return originals["gather_to_source"](ctx, x, dim)
 
+    def recorded(vocab, *args):
+        record = records(vocab, *args)
+        count("vocab", record.nbytes)
+        return record
+
     next_plan = Engine._next_plan
 
     def marked(engine, *args):
@@ -96,6 +104,7 @@ def traffic_per_step(folder) -> tuple:
 
     ParallelContext.sum_in_step, ParallelContext.broadcast_object = sum_in_step, broadcast_object
     ParallelContext.gather_to_source, Engine._next_plan = gather_to_source, marked
+    VocabSlice._records = recorded
     model.stop_ids = set()
     events = [(e.text, e.delta) for e in model.stream_generate("The quick brown fox", max_gen_len=100)]
     return steps, events[-1][0], events
@@ -112,3 +121,4 @@ def test_nothing_sent_per_step_grows_with_the_output_and_every_rank_streams_alik
         assert all(step == decoding[0] for step in decoding), f"rank {rank}: {decoding[0]} vs {decoding[-1]}"
         assert "object" not in decoding[0], "no pickled plan while the batch does not change"
         assert decoding[0]["tensor"] <= 96  # the step header: status, rows, flags, each row's token and end, places
+        assert decoding[0]["vocab"] == 12 and "gather" not in decoding[0]  # greedy: the slice's largest and its id

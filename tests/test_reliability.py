@@ -48,26 +48,32 @@ def test_tiny_temperatures_and_penalties_that_used_to_crash_now_generate(model):
 def test_a_failing_row_ends_alone_with_an_error_event_and_the_others_are_untouched(model, monkeypatch):
     """NaN logits in one greedy row and in one sampled row, mid-generation, among live rows."""
     from accessory.generation.scheduler import Scheduler
+    from accessory.generation.vocab_slices import VocabSlice
 
-    sample = Scheduler._sample
+    schedulers, step, reduce = [], Scheduler.step, VocabSlice.reduce
 
-    def poisoned(self, logits, proposals, events):
-        logits = logits.clone()
-        for row, request in enumerate(self.active):
+    def watched(self, *args):
+        schedulers[:] = [self]
+        return step(self, *args)
+
+    def poisoned(self, local, proposed, masks):  # the step's logits, before any rank reduces its slice
+        local = local.clone()
+        for row, request in enumerate(schedulers[0].active):
             if request.id == 1 and len(request.generated) == 3:
-                logits[row, 7] = math.nan
-        return sample(self, logits, proposals, events)
+                local[row, :, 7] = math.nan
+        return reduce(self, local, proposed, masks)
 
-    monkeypatch.setattr(Scheduler, "_sample", poisoned)
+    monkeypatch.setattr(Scheduler, "step", watched)
+    monkeypatch.setattr(VocabSlice, "reduce", poisoned)
     sampled = dict(temperature=0.8, seed=5)
     events = list(model.stream_generate(PROMPTS, max_gen_len=10))[-1]
     assert events[1].finish_reason == "error" and {events[0].finish_reason, events[2].finish_reason} <= ENDED
     assert "NaN" in events[1].error and events[1].completion_tokens == 3
-    monkeypatch.setattr(Scheduler, "_sample", sample)
+    monkeypatch.setattr(VocabSlice, "reduce", reduce)
     alone = model.generate([PROMPTS[0]], max_gen_len=10) + model.generate([PROMPTS[2]], max_gen_len=10)
     assert [events[0].text, events[2].text] == alone
 
-    monkeypatch.setattr(Scheduler, "_sample", poisoned)  # the sampled path raises SamplingError the same way
+    monkeypatch.setattr(VocabSlice, "reduce", poisoned)  # the sampled path raises SamplingError the same way
     events = list(model.stream_generate(PROMPTS, max_gen_len=10, **sampled))[-1]
     assert events[1].finish_reason == "error" and {events[0].finish_reason, events[2].finish_reason} <= ENDED
 
@@ -173,19 +179,19 @@ def test_a_full_queue_is_a_429_with_retry_after(model):
 
 
 def test_a_failed_request_is_a_500_or_an_error_event_and_the_server_goes_on(api, monkeypatch):
-    from accessory.generation.scheduler import Scheduler
+    from accessory.generation.vocab_slices import VocabSlice
 
     client, _ = api
-    sample = Scheduler._sample
-    monkeypatch.setattr(Scheduler, "_sample", lambda self, logits, proposals, events:
-                        sample(self, logits.clone().fill_(math.nan), proposals, events))
+    reduce = VocabSlice.reduce
+    monkeypatch.setattr(VocabSlice, "reduce", lambda self, local, proposed, masks:
+                        reduce(self, local.clone().fill_(math.nan), proposed, masks))
     answer = completion(client)
     assert answer.status_code == 500 and "generation failed" in answer.json()["error"]["message"]
     with client.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 4,
                                                          "stream": True}) as streamed:
         lines = [line for line in streamed.iter_lines() if line.startswith("data: ")]
     assert "generation failed" in json.loads(lines[-2][6:])["error"]["message"] and lines[-1] == "data: [DONE]"
-    monkeypatch.setattr(Scheduler, "_sample", sample)
+    monkeypatch.setattr(VocabSlice, "reduce", reduce)
     assert completion(client).status_code == 200
     assert client.get("/health").json()["running"] == 0
 

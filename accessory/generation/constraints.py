@@ -68,15 +68,11 @@ class Matcher:
         self._matcher, self.vocab_size, self._stops, self.kind, self.taken = matcher, vocab_size, stops, kind, 0
         self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
 
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """A copy of `logits` (1, vocab) with every token that breaks the match at -inf (a stop id is allowed
-        once the output is a whole match)."""
-        import llguidance.torch
-
+    def allowed(self) -> torch.Tensor:
+        """The bitmask (words,) int32 of the tokens that may come next, bit t % 32 of word t // 32 (a stop id is
+        allowed once the output is a whole match)."""
         self.check()
-        masked = logits.clone()
-        llguidance.torch.apply_token_bitmask_inplace(masked, self._bitmask.to(masked.device))
-        return masked
+        return self._bitmask[0].clone()
 
     def check(self) -> None:
         """Work out which tokens may come next; ConstraintError if the engine refuses, or if none may (the output

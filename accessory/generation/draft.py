@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from accessory.generation.model_runner import ModelRunner
+from accessory.generation.vocab_slices import slice_argmax
 
 
 class DraftProposer:
@@ -80,8 +81,9 @@ class DraftProposer:
     def _greedy(self, local: torch.Tensor) -> list[int]:
         """The argmax over the whole vocabulary of each row's logits, of which this rank holds `local` (rows, its
         slice): the same on every rank."""
-        full = self.runner.engine.ctx.all_gather(local, dim=-1)[:, :self.vocab_size]
-        return full.argmax(dim=-1).tolist()
+        mine = self.runner.engine.vocab_slice()[0]
+        within = range(mine.start, max(mine.start, min(mine.stop, self.vocab_size)))  # the ids the target samples
+        return slice_argmax(self.runner.engine.ctx, local, within)
 
     def compact(self, keep: tuple[int, ...]) -> None:
         self.runner.compact(keep)

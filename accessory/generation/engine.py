@@ -5,8 +5,9 @@ Every rank runs the same steps and the source rank decides them. Each step of `E
    events, and writes the next `Plan`;
 2. what the ranks tell each other (wire.py): the plan reaches every rank in a small fixed-size header (a second
    message only when the batch changes), and every rank checks that all are at the same step;
-3. what runs on each rank (model_runner.py): every rank's `ModelRunner` runs the plan on its KV cache rows, and each
-   rank's logits are gathered to the source rank alone.
+3. what runs on each rank (model_runner.py): every rank's `ModelRunner` runs the plan on its KV cache rows;
+4. what sampling needs (vocab_slices.py): each rank reduces its slice of the vocabulary's logits to a few
+   candidates, and every rank merges every rank's.
 In `stream`, every rank holds the requests, and the other ranks' `Follower`s write the same events from the tokens,
 so every rank yields the same stream.
 
@@ -231,7 +232,8 @@ class Engine:
                 if plan.done:
                     return
                 with self._alone():
-                    logits, scored = runner.step(plan)
+                    local, scored = runner.step(plan)
+                    logits = self._reduce(scheduler, runner, local)
                 if events and followed:
                     yield events
                 if scored:
@@ -262,6 +264,19 @@ class Engine:
             with self._alone():
                 events = follower.events(plan, list(extras))
         return plan, events
+
+    def _reduce(self, scheduler: Optional[Scheduler], runner: ModelRunner, local: Optional[torch.Tensor]):
+        """Every rank's slice of the step's logits reduced to what sampling needs, merged (vocab_slices.py)."""
+        if local is None:
+            return None
+        masks = scheduler.masks(runner.proposed, local.shape[1]) if scheduler is not None else None
+        return runner.vocab.reduce(local, runner.proposed, masks)
+
+    def vocab_slice(self) -> tuple[range, int]:
+        """The token ids whose logits this rank computes (its rows of the output projection, within the ids the
+        engine samples), and how many it computes, padded alike on every rank."""
+        shard = self.model.output.weight_shard
+        return range(shard.start, max(shard.start, min(shard.stop, self.vocab_size))), shard.local_size
 
     @contextmanager
     def _alone(self):

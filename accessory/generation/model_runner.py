@@ -15,8 +15,8 @@ padded, and a row that leaves frees its cache row at once (a live row from the e
 4. `prefill`: the joining prompts, packed into one sequence (`_prefill_packed`). A joining prompt that starts with
    tokens some cache row already holds (a live row, or a finished one kept for reuse) copies their keys and values
    instead of recomputing them (`_copy_prefixes`, prefix.py); every rank decides that alike from the plans.
-5. Each rank's logits (its slice of the vocabulary) are gathered to the source rank alone, where the scheduler
-   samples them.
+5. Each rank's logits (its slice of the vocabulary) stay on it: the engine has every rank reduce its slice to what
+   sampling needs (`vocab`, vocab_slices.py), and the source rank's scheduler samples from the merged candidates.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ import torch.fx.experimental._config as fx_config
 from accessory.generation.prefix import RetainedRows, plan_reuse, waves
 from accessory.generation.scheduler import Plan
 from accessory.generation.speculative import RowBudget, accepted_count
+from accessory.generation.vocab_slices import VocabSlice
 from accessory.network.components import Segment, decode_mask
 from accessory.network.vision import image_key
 
@@ -47,6 +48,7 @@ class ModelRunner:
         self.proposer = engine.proposer(rows, columns, keep_finished)  # None without speculative decoding
         self.budgets: list[RowBudget] = []  # how many tokens each live row proposes
         self.proposed: list[tuple[int, ...]] = []  # each row's proposals scored in the last step (source: its rows)
+        self.vocab = VocabSlice(engine.ctx, *engine.vocab_slice(), engine.vocab_size, self.model.device)
         live = max(rows, 2)  # at least 2: torch.compile gives a size of 1 a graph of its own; a cache row is cheap
         self.retained = RetainedRows(live, self._retained_rows(rows, self.columns) if keep_finished else 0)
         with torch.inference_mode():
@@ -61,11 +63,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, plan: Plan) -> tuple[Optional[torch.Tensor], list[torch.Tensor]]:
-        """Run `plan`: logits (rows after the step, vocab) on the source rank, None elsewhere or if no rows run;
-        and the logits (length, vocab) of each prompt the plan scores, on the source rank (else [])."""
+        """Run `plan`: this rank's logits (rows after the step, L positions, its slice of the vocabulary), None if
+        no rows run; and the logits (length, vocab) of each prompt the plan scores, on the source rank (else [])."""
         scored = [self._score(tokens) for tokens in plan.score]
         self._settle(plan.results)
+        self.vocab.observe(plan.results)
         self.compact(plan.keep)
+        self.vocab.compact(plan.keep)
         if len(plan.keep) + len(plan.admit) > self.rows:
             raise RuntimeError(f"plan has {len(plan.keep) + len(plan.admit)} rows; the batch holds {self.rows}")
         local, self.proposed = [], []
@@ -74,6 +78,7 @@ class ModelRunner:
         if plan.admit:
             images = plan.images or (None,) * len(plan.admit)
             local.append(self.prefill(plan.admit, images, plan.adapters))
+            self.vocab.admit(plan.rules, plan.admit)
             if self.proposer is not None:
                 self.proposer.admit(plan.admit, images, self)
                 self.budgets += [RowBudget(self.engine.speculation_costs()) for _ in plan.admit]
@@ -81,11 +86,9 @@ class ModelRunner:
         scored = scored if self.engine.ctx.is_source else []
         if not local:
             return None, scored
-        if local[0].dim() == 3 and len(local) == 2:  # verified rows' logits (rows, L, vocab): a prompt's in slot 0
-            local[1] = local[1][:, None].expand(-1, local[0].shape[1], -1)
-        local = local[0] if len(local) == 1 else torch.cat(local)
-        logits = self.engine.ctx.gather_to_source(local)  # (rows, [L,] vocab padded to the ranks)
-        return (None if logits is None else logits[..., :self.engine.vocab_size]), scored
+        slots = max([1] + [part.shape[1] for part in local if part.dim() == 3])  # verified rows': (rows, L, vocab)
+        local = [part if part.dim() == 3 else part[:, None].expand(-1, slots, -1) for part in local]
+        return local[0] if len(local) == 1 else torch.cat(local), scored  # a prompt's logits in its first slot
 
     # ---- 1. scoring -------------------------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ import torch
 
 from accessory.generation.constraints import Matcher
 from accessory.generation.detokenizer import RowText
-from accessory.generation.sampling import Penalties, SamplingParams
+from accessory.generation.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 # How a request ended, as a plan sends it (0: it goes on). "error": this request failed; the others go on.
@@ -93,7 +93,6 @@ class Request:
     # state, kept by the scheduler
     text: Optional[RowText] = field(default=None, repr=False)
     generator: Optional[torch.Generator] = field(default=None, repr=False)
-    penalties: Optional[Penalties] = field(default=None, repr=False)
     finish_reason: Optional[str] = None
     shown: str = ""  # the text callers have been sent
     logprobs: list[TokenLogprob] = field(default_factory=list, repr=False)  # not yet sent

@@ -94,77 +94,118 @@ def _within(value, bounds: tuple[float, float]) -> bool:
 
 
 class Penalties:
-    """What a row's penalties and bias read: which tokens its prompt and output hold (repetition penalty), how
-    often each is in its output (presence and frequency penalties), and its logit bias, as (vocab,) tensors."""
+    """What a row's penalties and bias read on one rank's slice of the vocabulary (token ids `tokens`): which of
+    those tokens its prompt and output hold (repetition penalty), how often each is in its output (presence and
+    frequency penalties), and its logit bias, as (len(tokens),) tensors."""
 
-    def __init__(self, params: SamplingParams, prompt: list[int], vocab_size: int, device: torch.device):
-        self.params = params
+    def __init__(self, params: SamplingParams, prompt: list[int], tokens: range, device: torch.device):
+        self.params, self.tokens = params, tokens
         self.seen = self.counts = self.bias = None
         if params.repetition_penalty != 1.0:
-            self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-            self.seen[torch.tensor([t for t in prompt if t < vocab_size], dtype=torch.long, device=device)] = True
+            self.seen = torch.zeros(len(tokens), dtype=torch.bool, device=device)
+            self.seen[self._local(prompt)] = True
         if params.presence_penalty or params.frequency_penalty:
-            self.counts = torch.zeros(vocab_size, device=device)
+            self.counts = torch.zeros(len(tokens), device=device)
         if params.logit_bias:
-            self.bias = torch.zeros(vocab_size, device=device)
-            ids, values = zip(*params.logit_bias)
-            self.bias[torch.tensor(ids, device=device)] = torch.tensor(values, device=device)
+            self.bias = torch.zeros(len(tokens), device=device)
+            mine = [(t - tokens.start, b) for t, b in params.logit_bias if t in tokens]
+            if mine:
+                ids, values = zip(*mine)
+                self.bias[torch.tensor(ids, device=device)] = torch.tensor(values, device=device)
+
+    def _local(self, ids) -> torch.Tensor:
+        return torch.tensor([t - self.tokens.start for t in ids if t in self.tokens], dtype=torch.long,
+                            device=self.seen.device if self.seen is not None else None)
 
     def observe(self, token: int) -> None:
         """The row's output grew by `token`."""
-        if self.seen is not None:
-            self.seen[token] = True
-        if self.counts is not None:
-            self.counts[token] += 1
+        if token in self.tokens:
+            if self.seen is not None:
+                self.seen[token - self.tokens.start] = True
+            if self.counts is not None:
+                self.counts[token - self.tokens.start] += 1
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        params = self.params
+    def apply(self, logits: torch.Tensor, ahead: tuple[int, ...] = ()) -> torch.Tensor:
+        """logits (..., len(tokens)) as the row's penalties and bias leave them; `ahead`: tokens the output holds
+        besides those observed (a speculative slot's: the proposals before it, had they been accepted)."""
+        params, seen, counts = self.params, self.seen, self.counts
+        if ahead:
+            seen, counts = (None if seen is None else seen.clone()), (None if counts is None else counts.clone())
+            for token in (t - self.tokens.start for t in ahead if t in self.tokens):
+                if seen is not None:
+                    seen[token] = True
+                if counts is not None:
+                    counts[token] += 1
         if self.bias is not None:
             logits = logits + self.bias
-        if self.seen is not None:
+        if seen is not None:
             penalized = torch.where(logits > 0, logits / params.repetition_penalty,
                                     logits * params.repetition_penalty)
-            logits = torch.where(self.seen, penalized, logits)
-        if self.counts is not None:
-            logits = logits - params.frequency_penalty * self.counts - params.presence_penalty * (self.counts > 0)
+            logits = torch.where(seen, penalized, logits)
+        if counts is not None:
+            logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
         return logits
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator],
-           penalties: Optional[Penalties] = None) -> torch.Tensor:
-    """Next token per row from logits (B, vocab), in the order the module's docstring gives."""
-    if penalties is not None:
-        logits = penalties.apply(logits)
+@dataclass(frozen=True)
+class Candidates:
+    """What sampling reads of one row's next-token logits: the most likely tokens (`ids`, their adjusted logits
+    `values` in descending order, ties by id: logit bias, penalties and a grammar's mask applied), the log-sum-exp
+    `lse` of every adjusted logit over the temperature, and whether the ids hold every token with a finite logit
+    (`complete`). For log-probabilities (else None): the raw logits of `ids` (`raw`), the raw log-sum-exp, and
+    the raw logits' `top` most likely (ids, logits). Made by merging every rank's slice (vocab_slices.py)."""
+    ids: torch.Tensor
+    values: torch.Tensor
+    lse: float
+    complete: bool
+    raw: Optional[torch.Tensor] = None
+    raw_lse: Optional[float] = None
+    top_ids: Optional[torch.Tensor] = None
+    top_values: Optional[torch.Tensor] = None
+
+
+def kept_count(c: Candidates, params: SamplingParams) -> Optional[int]:
+    """How many of the candidates a sampled row draws from (min_p, top_k, then top_p keep a run of the most
+    likely, as vLLM orders them); None when that run may reach past them (more are needed to tell)."""
+    z = c.values / params.temperature
+    finite = int(z.isfinite().sum())
+    complete = c.complete or finite < len(z)  # sorted: past a -inf, every token's logit is -inf
+    cut = None  # how many min_p and top_k keep, when the candidates tell
+    if params.min_p > 0:
+        within = int((z[:finite] - z[0] >= math.log(params.min_p)).sum())
+        if within < len(z) or complete:
+            cut = within
+    if params.top_k > 0 and (params.top_k <= len(z) or complete):
+        cut = min(params.top_k, cut if cut is not None else params.top_k)
+    if cut is None and (params.min_p > 0 or params.top_k > 0) and not complete:
+        return None
+    if cut is not None:
+        cut = min(cut, finite)
+        lse = torch.logsumexp(z[:cut], dim=0)
+    else:  # every token stays: the normalizer is the whole vocabulary's
+        cut, lse = finite, torch.tensor(c.lse)
+    if params.top_p >= 1.0:
+        return cut if cut < len(z) or complete else None
+    probs = torch.exp(z[:cut] - lse)
+    past = ((probs.cumsum(0) - probs) > params.top_p).nonzero()
+    if len(past):
+        return int(past[0])
+    return cut if cut < len(z) or complete else None
+
+
+def sample(c: Candidates, params: SamplingParams, generator: Optional[torch.Generator]) -> int:
+    """A row's next token from its candidates: greedy argmax, or a draw among those `kept_count` keeps, in the
+    order the module's docstring gives."""
+    first = float(c.values[0])
+    if math.isnan(first) or math.isnan(c.lse):
+        raise SamplingError(NAN_LOGITS)
     if params.greedy:
-        tokens, broken = greedy(logits)
-        if broken.any():
-            raise SamplingError(NAN_LOGITS)
-        return tokens
-    logits = logits / params.temperature
-    if params.min_p > 0:  # log(p / p_max) < log(min_p)
-        logits = logits.masked_fill(logits - logits.max(dim=-1, keepdim=True).values < math.log(params.min_p),
-                                    float("-inf"))
-    if 0 < params.top_k < logits.shape[-1]:
-        kth = logits.topk(params.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        probs = _top_p_filter(probs, params.top_p)
-    if not (probs.isfinite().all() and (probs.sum(dim=-1) > 0).all()):
-        raise SamplingError("the probabilities are not a distribution (the logits hold NaN or no finite value)")
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+        return int(c.ids[0])
+    if first == -math.inf:
+        raise SamplingError("the probabilities are not a distribution (no token has a finite logit)")
+    kept = kept_count(c, params)
+    if kept is None:
+        raise RuntimeError("sampling was given too few candidates for its parameters")
+    weights = torch.exp((c.values[:kept] - c.values[0]) / params.temperature)
+    return int(c.ids[int(torch.multinomial(weights, num_samples=1, generator=generator))])
 
-
-def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The index of each row's largest logit (the first, on ties), and whether the row holds NaN (then no index is
-    right): from `max(...)`, which torch computes about three times faster than `argmax` on the CPU."""
-    best = logits.max(dim=-1)
-    return best.indices, best.values.isnan()
-
-
-def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p (always at least one)."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before > top_p, 0.0)
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)  # multinomial renormalises

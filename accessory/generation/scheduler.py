@@ -18,9 +18,11 @@ from typing import Collection, Optional, Sequence
 
 import torch
 
+from accessory.generation.constraints import ConstraintError
 from accessory.generation.requests import FINISH_CODES, FINISH_REASONS, Event, Request, TokenLogprob
-from accessory.generation.sampling import NAN_LOGITS, Penalties, SamplingError, greedy, sample
+from accessory.generation.sampling import NAN_LOGITS, Candidates, SamplingError, sample
 from accessory.generation.speculative import accepted_count
+from accessory.generation.vocab_slices import Merged, RowRule
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ class Plan:
     results: tuple[tuple[tuple[int, ...], int], ...] = ()
     admitted: tuple = ()
     adapters: tuple[int, ...] = ()  # each admitted prompt's PEFT adapter (Request.adapter); empty when all are 0
+    rules: tuple[RowRule, ...] = ()  # each admitted prompt's sampling, which every rank applies to its vocabulary
 
     @property
     def moves(self) -> bool:
@@ -63,6 +66,7 @@ class Scheduler:
         self.active: list[Request] = []  # in batch-row order
         self.scoring: list[Request] = []  # requests whose prompt logits the step being run computes
         self.extras: tuple[Event, ...] = ()  # the last step's events that a Follower cannot write from its plan
+        self.grammar_errors: dict[tuple, Exception] = {}  # (request id, slot) -> why no mask could be made there
         self.closed = False
 
     # ---- from any thread ------------------------------------------------------------------------------------------
@@ -79,10 +83,10 @@ class Scheduler:
 
     # ---- the driving thread -----------------------------------------------------------------------------------------
 
-    def step(self, logits: Optional[torch.Tensor],
+    def step(self, logits: Optional[Merged],
              proposals: Sequence[tuple[int, ...]] = ()) -> tuple[Plan, list[Event]]:
-        """Sample the last step's logits (one row per active request; with speculative decoding (rows, L, vocab):
-        the row's next token's and each of its `proposals`' after it), then plan the next step."""
+        """Sample the last step's merged logits (one row per active request, L positions: the row's next token's,
+        and with speculative decoding each of its `proposals`' after it), then plan the next step."""
         events: list[Event] = []
         stepped = list(self.active)  # the rows of `logits`
         for request in stepped:
@@ -112,8 +116,33 @@ class Scheduler:
         plan = Plan(tuple(keep), tuple(r.generated[-1] for r in self.active[:len(keep)]),
                     tuple(tuple(r.tokens) for r in admitted), done, tuple(tuple(r.tokens) for r in self.scoring),
                     images, results, tuple(r.id for r in admitted),
-                    tuple(r.adapter for r in admitted) if any(r.adapter for r in admitted) else ())
+                    tuple(r.adapter for r in admitted) if any(r.adapter for r in admitted) else (),
+                    tuple(RowRule(r.params, r.matcher is not None) for r in admitted))
         return plan, events
+
+    def masks(self, proposals: Sequence[tuple[int, ...]], slots: int) -> Optional[torch.Tensor]:
+        """The grammar bitmasks (constrained rows, slots, words) int32 of the step just run, for every rank to apply
+        to its slice: a row's next token's, and after each proposal the mask that follows it, had it been accepted
+        (positions it cannot reach allow everything). None when no row is constrained. A mask the grammar engine
+        cannot make fails its row when that position is sampled."""
+        self.grammar_errors = {}
+        rows = [(row, r) for row, r in enumerate(self.active) if r.matcher is not None]
+        if not rows:
+            return None
+        masks = torch.full((len(rows), slots, -(-self.vocab_size // 32)), -1, dtype=torch.int32)
+        for i, (row, request) in enumerate(rows):
+            matcher, proposed = request.matcher, proposals[row] if row < len(proposals) else ()
+            for slot in range(min(slots, len(proposed) + 1)):
+                try:
+                    masks[i, slot] = matcher.allowed()
+                    if slot == len(proposed) or not _allows(masks[i, slot], proposed[slot]):
+                        break
+                    matcher = matcher.copy() if slot == 0 else matcher
+                    matcher.consume(proposed[slot])
+                except ConstraintError as error:
+                    self.grammar_errors[request.id, slot] = error
+                    break
+        return masks
 
     def receive_prompt_logits(self, scored: list[torch.Tensor]) -> None:
         """The logits (prompt length, vocab) of the prompts the last plan scored, in its order; their log-probs go
@@ -150,23 +179,24 @@ class Scheduler:
         request.admitted_at = time.monotonic()
         request.start_text(self.tokenizer)
         request.generator = torch.Generator(device=self.device).manual_seed(request.seed)
-        if request.params.penalized:
-            request.penalties = Penalties(request.params, request.tokens, self.vocab_size, self.device)
 
-    def _sample(self, logits: torch.Tensor, proposals: Sequence[tuple[int, ...]], events: list) -> None:
+    def _sample(self, logits: Merged, proposals: Sequence[tuple[int, ...]], events: list) -> None:
         """Each row's token, as plain decoding samples it; with proposals, the row's next slot is sampled the same
         way while each sample equals the proposal it was scored after (speculative.py: the output is the same)."""
-        slots = logits if logits.dim() == 3 else logits[:, None]  # (rows, L, vocab)
-        tokens, broken = greedy(slots.flatten(0, 1))  # plain greedy rows' tokens, all at once
-        tokens, broken = tokens.view(slots.shape[:2]).tolist(), broken.view(slots.shape[:2]).tolist()
+        tokens = logits.ids[..., 0].tolist()  # plain greedy rows' tokens, all at once
+        broken = logits.values[..., 0].isnan().tolist()
         for row, request in enumerate(self.active):
             proposed = proposals[row] if proposals else ()
             try:
                 for slot in range(len(proposed) + 1):
                     if request.finish_reason is not None:
                         break  # cancelled during the step, or ended by the last token
-                    token = self._choose(request, slots[row, slot], tokens[row][slot], broken[row][slot])
-                    self._advance(request, token, slots[row, slot], events)
+                    if (request.id, slot) in self.grammar_errors:
+                        raise self.grammar_errors[request.id, slot]
+                    candidates = None if request.plain_greedy and request.params.logprobs is None else \
+                        logits.at(row, slot)
+                    token = self._choose(request, candidates, tokens[row][slot], broken[row][slot])
+                    self._advance(request, token, candidates, events)
                     if slot == len(proposed) or token != proposed[slot]:
                         break
                 request.proposed_tokens += len(proposed)
@@ -174,15 +204,13 @@ class Scheduler:
             except Exception as error:  # SamplingError, a constraint that failed, a stop string that raised: this
                 self._fail(request, error, events)  # request ends; the batch, the others and the server go on
 
-    def _advance(self, request: Request, token: int, logits: torch.Tensor, events: list) -> None:
+    def _advance(self, request: Request, token: int, candidates: Optional[Candidates], events: list) -> None:
         if token in self.stop_ids:
             request.finish("stop", events)
             return
         request.push(token)
         if request.params.logprobs is not None:
-            request.logprobs.append(token_logprob(logits, token, request.params.logprobs))
-        if request.penalties is not None:
-            request.penalties.observe(token)
+            request.logprobs.append(token_logprob(candidates, token, request.params.logprobs))
         if request.matcher is not None:
             request.matcher.consume(token)
         if request.text.stopped or (request.matcher is not None and request.matcher.finished):
@@ -193,17 +221,14 @@ class Scheduler:
             request.emit(events)
 
     @staticmethod
-    def _choose(request: Request, logits: torch.Tensor, greedy_token: int, broken: bool) -> int:
-        """The request's token from `logits` (vocab,): a plain greedy row's is `greedy_token` (raising if its
-        logits were `broken`); the others are sampled with their own parameters and generator."""
+    def _choose(request: Request, candidates: Optional[Candidates], greedy_token: int, broken: bool) -> int:
+        """The request's token: a plain greedy row's is `greedy_token` (raising if its logits were `broken`); the
+        others are sampled from their candidates (bias, penalties and mask applied) with their own generator."""
         if request.plain_greedy:
             if broken:
                 raise SamplingError(NAN_LOGITS)
             return greedy_token
-        row_logits = logits[None]
-        if request.matcher is not None:
-            row_logits = request.matcher.mask(row_logits)
-        return int(sample(row_logits, request.params, request.generator, request.penalties))
+        return sample(candidates, request.params, request.generator)
 
     def _fail(self, request: Request, error: Exception, events: list) -> None:
         message = f"{type(error).__name__}: {error}"
@@ -248,9 +273,12 @@ def prompt_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> tuple[
     return (TokenLogprob(tokens[0], None), *logprobs_of(logits[:-1], tokens[1:], top))
 
 
-def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
-    """`token`'s log-probability under `logits` (vocab,), and the `top` most likely tokens'."""
-    return logprobs_of(logits[None], [token], top)[0]
+def token_logprob(candidates: Candidates, token: int, top: int) -> TokenLogprob:
+    """`token`'s log-probability under the raw logits (it is one of the candidates), and the `top` most likely
+    tokens'."""
+    value = candidates.raw[(candidates.ids == token).nonzero()[0, 0]]
+    best = tuple(zip(candidates.top_ids[:top].tolist(), (candidates.top_values[:top] - candidates.raw_lse).tolist()))
+    return TokenLogprob(token, float(value - candidates.raw_lse), best)
 
 
 def logprobs_of(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
@@ -260,6 +288,10 @@ def logprobs_of(logits: torch.Tensor, tokens: list[int], top: int) -> list[Token
     best = logprobs.topk(top, dim=-1) if top else None
     return [TokenLogprob(token, value, tuple(zip(best.indices[i].tolist(), best.values[i].tolist()))
                          if best is not None else ()) for i, (token, value) in enumerate(zip(tokens, chosen))]
+
+
+def _allows(bits: torch.Tensor, token: int) -> bool:
+    return bool((int(bits[token // 32]) >> token % 32) & 1)
 
 
 def _fill_holes(survivors: list[int]) -> list[int]:

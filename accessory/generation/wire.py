@@ -43,16 +43,16 @@ def share_plan(ctx, plan: Optional[Plan], error: Optional[Exception], rows: int,
     stepped, codes, counts, tokens = values[STEPPED], HEADER, HEADER + rows, HEADER + 2 * rows
     results = tuple((tuple(values[tokens + row * width:tokens + row * width + values[counts + row]]),
                      values[codes + row]) for row in range(stepped))
-    keep, admit, score, images, admitted, adapters = tuple(range(values[KEPT])), (), (), (), (), ()
-    if values[MOVES]:  # the batch changes: the second message (with the joining rows' PEFT adapters)
-        keep, admit, score, images, admitted, adapters = ctx.broadcast_object(
-            (plan.keep, plan.admit, plan.score, plan.images, plan.admitted, plan.adapters) if ctx.is_source
-            else None)
+    keep, admit, score, images, admitted, adapters, rules = tuple(range(values[KEPT])), (), (), (), (), (), ()
+    if values[MOVES]:  # the batch changes: the second message (with the joining rows' adapters and sampling)
+        keep, admit, score, images, admitted, adapters, rules = ctx.broadcast_object(
+            (plan.keep, plan.admit, plan.score, plan.images, plan.admitted, plan.adapters, plan.rules)
+            if ctx.is_source else None)
     if values[EXTRAS]:
         extras = ctx.broadcast_object(extras if ctx.is_source else None)
     next_tokens = tuple(results[row][0][-1] for row in keep)
     return Plan(keep, next_tokens, admit, values[STATUS] == DONE, score, images, results, admitted,
-                adapters), extras
+                adapters, rules), extras
 
 
 def _header(ctx, plan: Optional[Plan], error: Optional[Exception], rows: int, extras: tuple, place: int,

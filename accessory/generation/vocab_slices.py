@@ -1,0 +1,204 @@
+"""Sampling from logits that the model-parallel ranks hold in slices of the vocabulary (each rank's rows of the
+output projection), with only what sampling needs crossing ranks. Each step, on every rank (`VocabSlice.reduce`):
+
+1. each rank adjusts its slice of each row's logits as sampling would (logit bias, the penalties over the row's
+   tokens, a grammar's mask sent by the source rank) and reduces it to a record (`Layout`): its k most likely
+   tokens with their adjusted logits, and the log-sum-exp of its adjusted logits over the row's temperature; with
+   log-probabilities asked for, also their raw logits, the raw log-sum-exp and its n most likely raw logits;
+2. every rank gathers every rank's record and merges them alike (`Merged`): the k most likely of all (ties to the
+   lowest id, as argmax), and the log-sum-exps of all;
+3. a sampled row whose kept tokens (min_p, top_k, top_p: sampling.kept_count) may reach past the k merged ones (a
+   flat distribution, or sampling from every token: top_p 1, top_k 0, min_p 0) makes every rank, which sees the
+   same, send more: k x 8, up to its whole slice.
+
+The source rank's scheduler samples from the merged `Candidates` (sampling.py). A greedy row's record is 3 floats
+(k = 1); a sampled row's k is max(top_k, FIRST_CANDIDATES). At one rank the same code runs on the whole vocabulary,
+so sampling does not depend on the rank count. Every rank knows each row's sampling (`RowRule`, sent once when the
+row joins) and its tokens (the plans), so each keeps the row's penalties on its own slice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+import torch
+
+from accessory.generation.sampling import Candidates, Penalties, SamplingParams, kept_count
+
+FIRST_CANDIDATES = 64  # a sampled row's candidates per rank in the first round (top_k's if larger)
+WIDER = 8  # each further round sends this many times more
+PAD_ID = float(2 ** 24 - 1)  # a padded candidate's id (float32 holds ids exactly below 2^24): after every real one
+
+
+@dataclass(frozen=True)
+class RowRule:
+    """What every rank knows of a row's sampling: its parameters, and whether a grammar masks its tokens."""
+    params: SamplingParams
+    constrained: bool = False
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A record per row and position: k values, k ids, the log-sum-exp; with `raw`, k raw logits, the raw
+    log-sum-exp, `top` raw logits and their ids."""
+    k: int
+    top: int = 0
+    raw: bool = False
+
+    @property
+    def width(self) -> int:
+        return 2 * self.k + 1 + (self.k + 1 + 2 * self.top if self.raw else 0)
+
+
+class VocabSlice:
+    """This rank's slice of the vocabulary (`tokens`, padded to `size` alike on every rank) and what it knows of
+    each live row's sampling: kept alike on every rank, with the ModelRunner's rows."""
+
+    def __init__(self, ctx, tokens: range, size: int, vocab_size: int, device: torch.device):
+        self.ctx, self.tokens, self.size, self.device = ctx, tokens, size, device
+        self.words = -(-vocab_size // 32)  # a grammar's bitmask: 32 tokens a word
+        ids = torch.arange(tokens.start, tokens.stop, device=device)
+        self.word, self.bit = ids // 32, (ids % 32).to(torch.int32)
+        self.rows: list[tuple[RowRule, Optional[Penalties]]] = []
+
+    def admit(self, rules: Sequence[RowRule], prompts: Sequence[Sequence[int]]) -> None:
+        for rule, prompt in zip(rules, prompts):
+            penalties = Penalties(rule.params, list(prompt), self.tokens, self.device) if rule.params.penalized \
+                else None
+            self.rows.append((rule, penalties))
+
+    def observe(self, results) -> None:
+        """The tokens each row of the last step kept (a plan's `results`), for the penalties."""
+        for (_, penalties), (tokens, _) in zip(self.rows, results):
+            if penalties is not None:
+                for token in tokens:
+                    penalties.observe(token)
+
+    def compact(self, keep: Sequence[int]) -> None:
+        self.rows = [self.rows[row] for row in keep]
+
+    @property
+    def constrained(self) -> list[int]:
+        return [row for row, (rule, _) in enumerate(self.rows) if rule.constrained]
+
+    def reduce(self, local: torch.Tensor, proposed: Sequence[tuple[int, ...]],
+               masks: Optional[torch.Tensor]) -> "Merged":
+        """Collective. `local` (rows, L, size): this rank's logits of each row's L scored positions (the next token
+        and `proposed[row]` after it); `masks`: on the source rank, the constrained rows' grammar bitmasks (rows,
+        L, words) int32, in row order (ignored elsewhere). Every rank's merged candidates, the same on each."""
+        z = local[..., :len(self.tokens)].float()
+        adjusted = self._adjusted(z, proposed, self._shared(masks, local.shape[1]))
+        layout = self._first_layout()
+        while True:
+            records = self._records(z, adjusted, layout)
+            merged = Merged(self.ctx.all_gather(records[None], dim=0), layout, layout.k >= self.size)
+            if merged.complete or not merged.short(self.rows, proposed):
+                return merged
+            layout = replace(layout, k=min(layout.k * WIDER, self.size))
+
+    def _first_layout(self) -> Layout:
+        params = [rule.params for rule, _ in self.rows]
+        k = max([1] + [max(p.top_k, FIRST_CANDIDATES) for p in params if not p.greedy])
+        tops = [p.logprobs for p in params if p.logprobs is not None]
+        return Layout(min(k, self.size), max(tops, default=0), bool(tops))
+
+    def _shared(self, masks: Optional[torch.Tensor], slots: int) -> Optional[torch.Tensor]:
+        """The source rank's grammar bitmasks, on every rank (nothing is sent when no row is constrained)."""
+        count = len(self.constrained)
+        if not count:
+            return None
+        if not self.ctx.is_source:
+            masks = torch.empty(count, slots, self.words, dtype=torch.int32, device=self.device)
+        return self.ctx.broadcast(masks.contiguous())
+
+    def _adjusted(self, z: torch.Tensor, proposed: Sequence[tuple[int, ...]],
+                  masks: Optional[torch.Tensor]) -> torch.Tensor:
+        """z (rows, L, slice) with each row's grammar mask, logit bias and penalties applied; slot s of a row as if
+        the proposals before it had been accepted."""
+        if masks is None and all(penalties is None for _, penalties in self.rows):
+            return z
+        adjusted = z.clone()
+        if masks is not None:
+            allowed = ((masks[..., self.word] >> self.bit) & 1).bool()  # (constrained rows, L, slice)
+            adjusted[self.constrained] = adjusted[self.constrained].masked_fill(~allowed, float("-inf"))
+        for row, (_, penalties) in enumerate(self.rows):
+            if penalties is not None:
+                ahead = proposed[row] if row < len(proposed) else ()
+                for slot in range(z.shape[1]):
+                    adjusted[row, slot] = penalties.apply(adjusted[row, slot], tuple(ahead[:slot]))
+        return adjusted
+
+    def _records(self, z: torch.Tensor, adjusted: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """(rows, L, layout.width): this rank's record of each row and position."""
+        k, short = layout.k, max(0, layout.k - z.shape[-1])
+        if short:  # a slice smaller than k (its tail past the vocabulary): -inf, PAD_ID
+            pad = lambda t: torch.nn.functional.pad(t, (0, short), value=float("-inf"))  # noqa: E731
+            z, adjusted = pad(z), pad(adjusted)
+        values, index = adjusted.max(dim=-1, keepdim=True) if k == 1 else adjusted.topk(k, dim=-1)
+        ids = torch.where(index < len(self.tokens), (index + self.tokens.start).float(), PAD_ID)
+        parts = [values, ids, self._lse(adjusted)]
+        if layout.raw:
+            parts += [z.gather(-1, index), torch.logsumexp(z, dim=-1, keepdim=True)]
+            if layout.top:
+                top, top_index = z.topk(min(layout.top, z.shape[-1]), dim=-1)
+                parts += [top, (top_index + self.tokens.start).float()]
+        return torch.cat(parts, dim=-1)
+
+    def _lse(self, adjusted: torch.Tensor) -> torch.Tensor:
+        """(rows, L, 1): each sampled row's log-sum-exp of adjusted / temperature (0 for greedy rows)."""
+        lse = torch.zeros(*adjusted.shape[:2], 1, device=adjusted.device)
+        sampled = [row for row, (rule, _) in enumerate(self.rows) if not rule.params.greedy]
+        if sampled:
+            temperatures = torch.tensor([self.rows[row][0].params.temperature for row in sampled],
+                                        device=adjusted.device)
+            lse[sampled] = torch.logsumexp(adjusted[sampled] / temperatures[:, None, None], dim=-1, keepdim=True)
+        return lse
+
+
+class Merged:
+    """Every rank's records of each row and position, merged: `at(row, slot)` is its Candidates. `complete`: the
+    records held whole slices (every token)."""
+
+    def __init__(self, everyone: torch.Tensor, layout: Layout, complete: bool):
+        k, self.layout, self.complete = layout.k, layout, complete
+        columns = lambda start, n: everyone[..., start:start + n].movedim(0, -2).flatten(-2)  # noqa: E731
+        values, ids = columns(0, k), columns(k, k)  # (rows, L, ranks * k)
+        by_id = ids.argsort(dim=-1, stable=True)  # ties go to the lowest id: order by id, then stably by value
+        kept = values.shape[-1] if complete else k  # the k largest of the ranks' k largest are the k largest of all
+        order = by_id.gather(-1, values.gather(-1, by_id).argsort(dim=-1, descending=True, stable=True))[..., :kept]
+        self.values, self.ids = values.gather(-1, order), ids.gather(-1, order).long()
+        self.lse = torch.logsumexp(everyone[..., 2 * k], dim=0)  # (rows, L)
+        if layout.raw:
+            self.raw = columns(2 * k + 1, k).gather(-1, order)
+            self.raw_lse = torch.logsumexp(everyone[..., 3 * k + 1], dim=0)
+            n = everyone.shape[-1] - (3 * k + 2)
+            top_values, top_ids = columns(3 * k + 2, n // 2), columns(3 * k + 2 + n // 2, n // 2)
+            top_order = top_values.argsort(dim=-1, descending=True, stable=True)[..., :layout.top]
+            self.top_values, self.top_ids = top_values.gather(-1, top_order), top_ids.gather(-1, top_order).long()
+
+    def at(self, row: int, slot: int) -> Candidates:
+        raw = self.layout.raw
+        return Candidates(self.ids[row, slot], self.values[row, slot], float(self.lse[row, slot]), self.complete,
+                          self.raw[row, slot] if raw else None, float(self.raw_lse[row, slot]) if raw else None,
+                          self.top_ids[row, slot] if raw else None, self.top_values[row, slot] if raw else None)
+
+    def short(self, rows: Sequence[tuple[RowRule, object]], proposed: Sequence[tuple[int, ...]]) -> bool:
+        """Whether some sampled row's kept tokens may reach past the candidates, at a position it may sample."""
+        for row, (rule, _) in enumerate(rows):
+            if rule.params.greedy:
+                continue
+            for slot in range(1 + (len(proposed[row]) if row < len(proposed) else 0)):
+                first, lse = float(self.values[row, slot, 0]), float(self.lse[row, slot])
+                if lse == lse and first > float("-inf") and kept_count(self.at(row, slot), rule.params) is None:
+                    return True  # (a row of NaN or of no finite logit fails when sampled)
+        return False
+
+
+def slice_argmax(ctx, local: torch.Tensor, tokens: range) -> list[int]:
+    """Collective: the argmax over the whole vocabulary of each row's logits, of which this rank holds `local`
+    (rows, its padded slice) for `tokens`; the same on every rank (ties to the lowest id)."""
+    mine = local[:, :len(tokens)].float() if len(tokens) else torch.full((len(local), 1), float("-inf"))
+    values, index = mine.max(dim=-1)
+    best = ctx.all_gather(torch.stack([values, (index + tokens.start).float()], dim=-1)[None], dim=0)
+    rank = best[..., 0].max(dim=0).indices  # the first rank holding a row's largest: its lowest id
+    return best[..., 1].gather(0, rank[None])[0].long().tolist()

@@ -121,4 +121,4 @@ def test_nothing_sent_per_step_grows_with_the_output_and_every_rank_streams_alik
         assert all(step == decoding[0] for step in decoding), f"rank {rank}: {decoding[0]} vs {decoding[-1]}"
         assert "object" not in decoding[0], "no pickled plan while the batch does not change"
         assert decoding[0]["tensor"] <= 96  # the step header: status, rows, flags, each row's token and end, places
-        assert decoding[0]["vocab"] == 12 and "gather" not in decoding[0]  # greedy: the slice's largest and its id
+        assert decoding[0]["vocab"] == 8 and "gather" not in decoding[0]  # greedy: the slice's largest and its id

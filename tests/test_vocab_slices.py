@@ -134,13 +134,13 @@ def test_a_batch_that_keeps_few_tokens_sends_one_small_round():
 
     vocab = VocabSlice(ParallelContext(None, 0, 1, 0), range(VOCAB), VOCAB, VOCAB, torch.device("cpu"))
     vocab.admit([RowRule(SamplingParams()), RowRule(SamplingParams(logprobs=20))], [PROMPT] * 2)
-    assert vocab._first_layout() == Layout(1, 20, True)
+    assert vocab._first_layout() == Layout(1, 20, raw=True, lse=False)
     vocab.admit([RowRule(SamplingParams(temperature=1.0, top_k=40, top_p=0.9))], [PROMPT])
     sizes = []
     records = vocab._records
     vocab._records = lambda *a: sizes.append(records(*a).shape) or records(*a)
     vocab.reduce(step_logits(0)[:3], [()] * 3, None)
-    assert sizes == [(3, 1, Layout(FIRST_CANDIDATES, 20, True).width)]
+    assert sizes == [(3, 1, Layout(FIRST_CANDIDATES, 20, raw=True, lse=True).width)]
 
 
 def test_a_sampled_row_draws_from_its_kept_tokens_in_proportion():

@@ -150,62 +150,70 @@ class Penalties:
 @dataclass(frozen=True)
 class Candidates:
     """What sampling reads of one row's next-token logits: the most likely tokens (`ids`, their adjusted logits
-    `values` in descending order, ties by id: logit bias, penalties and a grammar's mask applied), the log-sum-exp
-    `lse` of every adjusted logit over the temperature, and whether the ids hold every token with a finite logit
-    (`complete`). For log-probabilities (else None): the raw logits of `ids` (`raw`), the raw log-sum-exp, and
-    the raw logits' `top` most likely (ids, logits). Made by merging every rank's slice (vocab_slices.py)."""
+    `values` in descending order, ties by id: logit bias, penalties and a grammar's mask applied) and how many of
+    them its sampling keeps (`kept`: `kept_counts`). For log-probabilities (else None): the raw logits of `ids`
+    (`raw`), the raw log-sum-exp, and the raw logits' `top` most likely (ids, logits). Made by merging every rank's
+    slice (vocab_slices.py)."""
     ids: torch.Tensor
     values: torch.Tensor
-    lse: float
-    complete: bool
+    kept: int
     raw: Optional[torch.Tensor] = None
     raw_lse: Optional[float] = None
     top_ids: Optional[torch.Tensor] = None
     top_values: Optional[torch.Tensor] = None
 
 
-def kept_count(c: Candidates, params: SamplingParams) -> Optional[int]:
-    """How many of the candidates a sampled row draws from (min_p, top_k, then top_p keep a run of the most
-    likely, as vLLM orders them); None when that run may reach past them (more are needed to tell)."""
-    z = c.values / params.temperature
-    finite = int(z.isfinite().sum())
-    complete = c.complete or finite < len(z)  # sorted: past a -inf, every token's logit is -inf
-    cut = None  # how many min_p and top_k keep, when the candidates tell
-    if params.min_p > 0:
-        within = int((z[:finite] - z[0] >= math.log(params.min_p)).sum())
-        if within < len(z) or complete:
-            cut = within
-    if params.top_k > 0 and (params.top_k <= len(z) or complete):
-        cut = min(params.top_k, cut if cut is not None else params.top_k)
-    if cut is None and (params.min_p > 0 or params.top_k > 0) and not complete:
-        return None
-    if cut is not None:
-        cut = min(cut, finite)
-        lse = torch.logsumexp(z[:cut], dim=0)
-    else:  # every token stays: the normalizer is the whole vocabulary's
-        cut, lse = finite, torch.tensor(c.lse)
-    if params.top_p >= 1.0:
-        return cut if cut < len(z) or complete else None
-    probs = torch.exp(z[:cut] - lse)
-    past = ((probs.cumsum(0) - probs) > params.top_p).nonzero()
-    if len(past):
-        return int(past[0])
-    return cut if cut < len(z) or complete else None
+UNKNOWN = -1  # a kept count the candidates cannot tell
+
+
+def kept_counts(values: torch.Tensor, lse: Optional[torch.Tensor], complete: bool,
+                params: list[SamplingParams]) -> torch.Tensor:
+    """(rows, L): how many of each row's candidates its sampling draws from, `values` (rows, L, k) their adjusted
+    logits in descending order: min_p, top_k, then top_p keep a run of the most likely (vLLM's order), top_p's mass
+    measured over what min_p and top_k keep. UNKNOWN where that run may reach past the candidates (more are needed
+    to tell); 1 for greedy rows, and for rows whose logits are NaN or nowhere finite (sampling them fails).
+    `lse` (rows, L): the log-sum-exp of each row's every adjusted logit over its temperature; `complete`: the
+    candidates hold every token."""
+    rows, k = values.shape[0], values.shape[-1]
+    column = lambda xs, dtype=values.dtype: torch.tensor(xs, dtype=dtype).view(rows, 1)  # noqa: E731
+    greedy = column([p.greedy for p in params], torch.bool)
+    z = values / column([1.0 if p.greedy else p.temperature for p in params])[..., None]
+    finite = z.isfinite().sum(dim=-1)
+    whole = finite < k if complete is False else torch.ones_like(finite, dtype=torch.bool)  # past -inf: all -inf
+    undecided = k + 1  # no cut
+    min_p = column([p.min_p for p in params])
+    within = (z - z[..., :1] >= min_p.clamp(min=1e-38).log()[..., None]).sum(dim=-1)
+    min_cut = torch.where((min_p > 0) & ((within < k) | whole), within, undecided)
+    top_k = column([p.top_k for p in params], torch.long)
+    k_cut = torch.where((top_k > 0) & ((top_k <= k) | whole), top_k, undecided)
+    cut = torch.minimum(min_cut, k_cut)
+    decided = cut < undecided
+    unknown = ~decided & ((min_p > 0) | (top_k > 0)) & ~whole
+    cut = torch.where(decided, torch.minimum(cut, finite), finite)
+    inside = torch.arange(k) < cut[..., None]
+    cut_lse = torch.logsumexp(z.masked_fill(~inside, float("-inf")), dim=-1)
+    normalizer = torch.where(decided, cut_lse, lse if lse is not None else cut_lse)
+    probs = torch.exp(z - normalizer[..., None]).masked_fill(~inside, 0.0)
+    top_p = column([p.top_p for p in params])
+    past = ((probs.cumsum(dim=-1) - probs) > top_p[..., None]) & inside & (top_p < 1)[..., None]  # 1: rounding
+    found = past.any(dim=-1)
+    kept = torch.where(found, past.int().argmax(dim=-1), torch.where((cut < k) | whole, cut, UNKNOWN))
+    kept = torch.where(unknown, UNKNOWN, kept)
+    broken = ~z[..., 0].isfinite() | (normalizer.isnan() if lse is not None else False)
+    return torch.where(greedy | broken, 1, kept)
 
 
 def sample(c: Candidates, params: SamplingParams, generator: Optional[torch.Generator]) -> int:
-    """A row's next token from its candidates: greedy argmax, or a draw among those `kept_count` keeps, in the
-    order the module's docstring gives."""
+    """A row's next token from its candidates: greedy argmax, or a draw among the `kept` most likely, in proportion
+    to their probabilities, in the order the module's docstring gives."""
     first = float(c.values[0])
-    if math.isnan(first) or math.isnan(c.lse):
+    if math.isnan(first):
         raise SamplingError(NAN_LOGITS)
     if params.greedy:
         return int(c.ids[0])
     if first == -math.inf:
         raise SamplingError("the probabilities are not a distribution (no token has a finite logit)")
-    kept = kept_count(c, params)
-    if kept is None:
+    if c.kept == UNKNOWN:
         raise RuntimeError("sampling was given too few candidates for its parameters")
-    weights = torch.exp((c.values[:kept] - c.values[0]) / params.temperature)
+    weights = torch.exp((c.values[:c.kept] - c.values[0]) / params.temperature)
     return int(c.ids[int(torch.multinomial(weights, num_samples=1, generator=generator))])
-

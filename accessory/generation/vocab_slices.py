@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from accessory.generation.sampling import Candidates, Penalties, SamplingParams, kept_count
+from accessory.generation.sampling import UNKNOWN, Candidates, Penalties, SamplingParams, kept_counts
 
 FIRST_CANDIDATES = 64  # a sampled row's candidates per rank in the first round (top_k's if larger)
 WIDER = 8  # each further round sends this many times more
@@ -39,15 +39,16 @@ class RowRule:
 
 @dataclass(frozen=True)
 class Layout:
-    """A record per row and position: k values, k ids, the log-sum-exp; with `raw`, k raw logits, the raw
-    log-sum-exp, `top` raw logits and their ids."""
+    """A record per row and position: k values, k ids; with `lse` (some row samples), the log-sum-exp; with `raw`
+    (some row asks for log-probs), k raw logits, the raw log-sum-exp, `top` raw logits and their ids."""
     k: int
     top: int = 0
     raw: bool = False
+    lse: bool = False
 
     @property
     def width(self) -> int:
-        return 2 * self.k + 1 + (self.k + 1 + 2 * self.top if self.raw else 0)
+        return 2 * self.k + self.lse + (self.k + 1 + 2 * self.top if self.raw else 0)
 
 
 class VocabSlice:
@@ -91,16 +92,17 @@ class VocabSlice:
         layout = self._first_layout()
         while True:
             records = self._records(z, adjusted, layout)
-            merged = Merged(self.ctx.all_gather(records[None], dim=0), layout, layout.k >= self.size)
-            if merged.complete or not merged.short(self.rows, proposed):
+            merged = Merged(self.ctx.all_gather(records[None], dim=0), layout, layout.k >= self.size,
+                            [rule.params for rule, _ in self.rows])
+            if merged.complete or not merged.short(proposed):
                 return merged
             layout = replace(layout, k=min(layout.k * WIDER, self.size))
 
     def _first_layout(self) -> Layout:
         params = [rule.params for rule, _ in self.rows]
-        k = max([1] + [max(p.top_k, FIRST_CANDIDATES) for p in params if not p.greedy])
+        sampled = [max(p.top_k, FIRST_CANDIDATES) for p in params if not p.greedy]
         tops = [p.logprobs for p in params if p.logprobs is not None]
-        return Layout(min(k, self.size), max(tops, default=0), bool(tops))
+        return Layout(min(max(sampled, default=1), self.size), max(tops, default=0), bool(tops), bool(sampled))
 
     def _shared(self, masks: Optional[torch.Tensor], slots: int) -> Optional[torch.Tensor]:
         """The source rank's grammar bitmasks, on every rank (nothing is sent when no row is constrained)."""
@@ -130,68 +132,77 @@ class VocabSlice:
 
     def _records(self, z: torch.Tensor, adjusted: torch.Tensor, layout: Layout) -> torch.Tensor:
         """(rows, L, layout.width): this rank's record of each row and position."""
-        k, short = layout.k, max(0, layout.k - z.shape[-1])
-        if short:  # a slice smaller than k (its tail past the vocabulary): -inf, PAD_ID
+        k, short = layout.k, max(0, max(layout.k, layout.top) - z.shape[-1])
+        if short:  # a slice smaller than k or top (its tail past the vocabulary): -inf, PAD_ID
             pad = lambda t: torch.nn.functional.pad(t, (0, short), value=float("-inf"))  # noqa: E731
             z, adjusted = pad(z), pad(adjusted)
         values, index = adjusted.max(dim=-1, keepdim=True) if k == 1 else adjusted.topk(k, dim=-1)
-        ids = torch.where(index < len(self.tokens), (index + self.tokens.start).float(), PAD_ID)
-        parts = [values, ids, self._lse(adjusted)]
+        ids = (index + self.tokens.start).float()
+        if short:
+            ids = ids.masked_fill(index >= len(self.tokens), PAD_ID)
+        parts = [values, ids] + ([self._lse(adjusted)] if layout.lse else [])
         if layout.raw:
             parts += [z.gather(-1, index), torch.logsumexp(z, dim=-1, keepdim=True)]
             if layout.top:
-                top, top_index = z.topk(min(layout.top, z.shape[-1]), dim=-1)
-                parts += [top, (top_index + self.tokens.start).float()]
+                top, top_index = z.topk(layout.top, dim=-1)
+                top_ids = (top_index + self.tokens.start).float()
+                parts += [top, top_ids.masked_fill(top_index >= len(self.tokens), PAD_ID) if short else top_ids]
         return torch.cat(parts, dim=-1)
 
     def _lse(self, adjusted: torch.Tensor) -> torch.Tensor:
         """(rows, L, 1): each sampled row's log-sum-exp of adjusted / temperature (0 for greedy rows)."""
+        scale = torch.tensor([0.0 if rule.params.greedy else 1.0 / rule.params.temperature for rule, _ in self.rows],
+                             device=adjusted.device)
+        sampled = scale.nonzero()[:, 0]
+        if len(sampled) == len(scale):
+            return torch.logsumexp(adjusted * scale[:, None, None], dim=-1, keepdim=True)
         lse = torch.zeros(*adjusted.shape[:2], 1, device=adjusted.device)
-        sampled = [row for row, (rule, _) in enumerate(self.rows) if not rule.params.greedy]
-        if sampled:
-            temperatures = torch.tensor([self.rows[row][0].params.temperature for row in sampled],
-                                        device=adjusted.device)
-            lse[sampled] = torch.logsumexp(adjusted[sampled] / temperatures[:, None, None], dim=-1, keepdim=True)
+        lse[sampled] = torch.logsumexp(adjusted[sampled].mul_(scale[sampled, None, None]), dim=-1, keepdim=True)
         return lse
 
 
 class Merged:
     """Every rank's records of each row and position, merged: `at(row, slot)` is its Candidates. `complete`: the
-    records held whole slices (every token)."""
+    records held whole slices (every token); `params`: each row's sampling."""
 
-    def __init__(self, everyone: torch.Tensor, layout: Layout, complete: bool):
+    def __init__(self, everyone: torch.Tensor, layout: Layout, complete: bool, params: list[SamplingParams]):
         k, self.layout, self.complete = layout.k, layout, complete
         columns = lambda start, n: everyone[..., start:start + n].movedim(0, -2).flatten(-2)  # noqa: E731
         values, ids = columns(0, k), columns(k, k)  # (rows, L, ranks * k)
-        by_id = ids.argsort(dim=-1, stable=True)  # ties go to the lowest id: order by id, then stably by value
-        kept = values.shape[-1] if complete else k  # the k largest of the ranks' k largest are the k largest of all
-        order = by_id.gather(-1, values.gather(-1, by_id).argsort(dim=-1, descending=True, stable=True))[..., :kept]
-        self.values, self.ids = values.gather(-1, order), ids.gather(-1, order).long()
-        self.lse = torch.logsumexp(everyone[..., 2 * k], dim=0)  # (rows, L)
+        if k == 1:  # greedy rows only: the first rank's largest among equals has the lowest id
+            best = values.max(dim=-1, keepdim=True)
+            self.values, order = best.values, best.indices
+        else:  # ties go to the lowest id: order by id, then stably by value
+            by_id = ids.argsort(dim=-1, stable=True)
+            kept = values.shape[-1] if complete else k  # the k largest of each rank's k largest: of all
+            order = by_id.gather(-1, values.gather(-1, by_id).argsort(dim=-1, descending=True, stable=True))
+            order = order[..., :kept]
+            self.values = values.gather(-1, order)
+        self.ids = ids.gather(-1, order).long()
+        lse = torch.logsumexp(everyone[..., 2 * k], dim=0) if layout.lse else None  # (rows, L)
+        self.kept = kept_counts(self.values, lse, complete, params) if layout.lse else None
+        raw = 2 * k + layout.lse  # where the raw part begins
         if layout.raw:
-            self.raw = columns(2 * k + 1, k).gather(-1, order)
-            self.raw_lse = torch.logsumexp(everyone[..., 3 * k + 1], dim=0)
-            n = everyone.shape[-1] - (3 * k + 2)
-            top_values, top_ids = columns(3 * k + 2, n // 2), columns(3 * k + 2 + n // 2, n // 2)
+            self.raw = columns(raw, k).gather(-1, order)
+            self.raw_lse = torch.logsumexp(everyone[..., raw + k], dim=0)
+            top_values, top_ids = columns(raw + k + 1, layout.top), columns(raw + k + 1 + layout.top, layout.top)
             top_order = top_values.argsort(dim=-1, descending=True, stable=True)[..., :layout.top]
             self.top_values, self.top_ids = top_values.gather(-1, top_order), top_ids.gather(-1, top_order).long()
 
     def at(self, row: int, slot: int) -> Candidates:
         raw = self.layout.raw
-        return Candidates(self.ids[row, slot], self.values[row, slot], float(self.lse[row, slot]), self.complete,
+        return Candidates(self.ids[row, slot], self.values[row, slot],
+                          int(self.kept[row, slot]) if self.kept is not None else 1,
                           self.raw[row, slot] if raw else None, float(self.raw_lse[row, slot]) if raw else None,
                           self.top_ids[row, slot] if raw else None, self.top_values[row, slot] if raw else None)
 
-    def short(self, rows: Sequence[tuple[RowRule, object]], proposed: Sequence[tuple[int, ...]]) -> bool:
-        """Whether some sampled row's kept tokens may reach past the candidates, at a position it may sample."""
-        for row, (rule, _) in enumerate(rows):
-            if rule.params.greedy:
-                continue
-            for slot in range(1 + (len(proposed[row]) if row < len(proposed) else 0)):
-                first, lse = float(self.values[row, slot, 0]), float(self.lse[row, slot])
-                if lse == lse and first > float("-inf") and kept_count(self.at(row, slot), rule.params) is None:
-                    return True  # (a row of NaN or of no finite logit fails when sampled)
-        return False
+    def short(self, proposed: Sequence[tuple[int, ...]]) -> bool:
+        """Whether some row's kept tokens may reach past the candidates, at a position it may sample."""
+        if self.kept is None:
+            return False
+        reached = torch.tensor([[slot <= (len(proposed[row]) if row < len(proposed) else 0)
+                                 for slot in range(self.kept.shape[1])] for row in range(self.kept.shape[0])])
+        return bool(((self.kept == UNKNOWN) & reached).any())
 
 
 def slice_argmax(ctx, local: torch.Tensor, tokens: range) -> list[int]:

@@ -6,8 +6,9 @@ at 1 rank) that loads the model, generates once to warm up (and compile), then t
 `--new-tokens` greedy tokens per row at each batch size (stop tokens off, so every row runs the whole way; the
 median of `--repeats`). Each rank runs `--threads-per-rank` threads (OMP_NUM_THREADS); the rows `1 process, T
 threads` are the peers: one rank with one thread, and one process with as many threads as the ranks have in all.
-`bytes/token/rank` is what the network interfaces carried during the timed calls (loopback here; the link between
-the two machines for `--two-machines`), over tokens and ranks. `--transport gloo` sets ACCESSORY_TRANSPORT=gloo:
+`bytes/token/rank` is what a rank sent during the timed calls, over the tokens: what it wrote into the shared-memory
+segment for the other ranks, or through gloo what the network interfaces carried (loopback here; the link between
+the two machines for `--two-machines`) over the machine's ranks. `--transport gloo` sets ACCESSORY_TRANSPORT=gloo:
 every collective through gloo, as before shared memory.
 
     python benchmarks/parallel.py --models smollm2 --ranks 1 2 3 --modes eager compiled --dtypes float32 int4 \\
@@ -147,27 +148,31 @@ def decode_worker(args) -> None:
         for _ in range(args.repeats):
             if dist.is_initialized():
                 dist.barrier()
-            before, start = interface_bytes(), time.perf_counter()
+            before, start = bytes_sent(model.ctx), time.perf_counter()
             model.generate(prompts, max_gen_len=args.new_tokens)
             seconds.append(time.perf_counter() - start)
-            sent.append(interface_bytes() - before)
+            sent.append(bytes_sent(model.ctx) - before)
         tokens = batch * args.new_tokens
         if model.ctx.is_source:
             result = {"model": model_name, "dtype": dtype, "mode": mode, "batch": batch,
                       "ranks": model.ctx.world_size, "threads": torch.get_num_threads(),
                       "transport": "shared memory" if model.ctx.local is not None else "gloo" if dist.is_initialized()
                       else "-", "tok_s": tokens / statistics.median(seconds), "all_seconds": seconds,
-                      "bytes_per_token_rank": statistics.median(sent) / tokens / model.ctx.world_size}
+                      "bytes_per_token_rank": statistics.median(sent) / tokens}
             print(MARK + json.dumps(result), flush=True)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 
 
-def interface_bytes() -> int:
-    """Bytes sent so far on this network namespace's interfaces (loopback included)."""
-    return sum(int(Path(f"/sys/class/net/{name}/statistics/tx_bytes").read_text())
-               for name in os.listdir("/sys/class/net"))
+def bytes_sent(ctx) -> float:
+    """What this rank has sent so far: what it wrote into the shared-memory segment for the others; through gloo,
+    what this network namespace's interfaces (loopback included) carried, shared among the machine's ranks."""
+    if ctx.local is not None:
+        return ctx.local.bytes_sent
+    carried = sum(int(Path(f"/sys/class/net/{name}/statistics/tx_bytes").read_text())
+                  for name in os.listdir("/sys/class/net"))
+    return carried / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
 # ---- the models ----------------------------------------------------------------------------------------------------

@@ -105,6 +105,47 @@ def test_gloo_when_asked_and_two_jobs_never_share_a_segment():
         assert second.result() == [(True, [10.0] * 200)] * 2
 
 
+def waiting_with_the_gil_held() -> int:
+    """Rank 0 waits 2 s in a broadcast called with the GIL held (ctypes.PyDLL keeps it, as an AOTInductor package's
+    run does); its other Python thread's beats meanwhile."""
+    import ctypes
+    import threading
+
+    from accessory.kernels.build import library_path
+    from accessory.parallel import ParallelContext
+
+    ctx = ParallelContext.from_group(None)
+    held = ctypes.PyDLL(str(library_path()))  # calls through it keep the GIL
+    x = torch.zeros(4)
+    beats, done = [0], threading.Event()
+
+    def beat():
+        while not done.is_set():
+            beats[0] += 1
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=beat)
+    thread.start()
+    if ctx.rank == 1:
+        time.sleep(2.0)
+    before = beats[0]
+    held.accessory_shm_broadcast(ctx.local.handle, ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.nbytes), 0,
+                                 ctypes.c_double(0.0))
+    during = beats[0] - before
+    done.set()
+    thread.join()
+    return during
+
+
+def test_a_rank_waiting_with_the_gil_held_lets_its_other_threads_run():
+    """A rank that waits in a collective called with the GIL held (an AOTInductor package's step does) lets go of it
+    while it sleeps: its watchdog's heartbeat goes on, so a long wait for a rank still compiling its package does not
+    get it taken for frozen (it was, at 3 ranks on 2 cores: killed after --rank-timeout)."""
+    results = run_ranks(2, waiting_with_the_gil_held)
+    assert not isinstance(results[0], Exception), results[0].rank_traceback
+    assert results[0] > 50, f"{results[0]} beats in 2 s: the waiting rank kept the GIL"
+
+
 KILLED_SCRIPT = """
 import os, signal, sys, time, torch, torch.distributed as dist
 dist.init_process_group("gloo")

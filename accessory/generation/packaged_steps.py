@@ -8,18 +8,22 @@ there covers exports and compiles one (tens of seconds), written atomically, the
 processes load it (well under a second). A package is code, so it is loaded only from folders `untrusted` accepts.
 One that does not load (a corrupt file) is reported and compiled again. What cannot be packaged runs under
 torch.compile (model_runner.compiled), with one line saying why: a mixture of experts (its dispatch,
-accessory::grouped_experts, is a Python operator), more than one rank (a package compiles at 2 ranks, but its
-collectives fail when it runs, on gloo with torch 2.13: several rows' `_c10d_functional.wait_tensor` raises, one row's
-step hangs), a cache that is not private, or an export or compilation that fails. A verify step of several rows runs
+accessory::grouped_experts, is a Python operator), ranks whose collectives go through gloo (a package compiles, but
+its collectives fail when it runs, with torch 2.13: several rows' `_c10d_functional.wait_tensor` raises, one row's
+step hangs; ranks of one machine exchange through the shared-memory operators instead, which packages call as they
+call the products), a cache that is not private, or an export or compilation that fails. The ranks of one machine
+build their packages one at a time (`one_build_at_a_time`). A verify step of several rows runs
 under torch.compile too (speculation pays at few rows, where one row is the common case).
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -155,7 +159,12 @@ class PackagedStep:
         return None
 
     def build(self, folder: Path, tokens, positions, mask) -> Optional[Callable]:
-        """Export and compile the step for the call's size into a package in `folder` (atomically), and load it."""
+        """Export and compile the step for the call's size into a package in `folder` (atomically), and load it;
+        one package at a time on this machine (`one_build_at_a_time`)."""
+        with one_build_at_a_time(folder.parent):
+            return self.load_cached(folder, tokens.shape[self.dim]) or self._build(folder, tokens, positions, mask)
+
+    def _build(self, folder: Path, tokens, positions, mask) -> Optional[Callable]:
         start = time.perf_counter()
         try:
             program = step_export.export_step(self.model, self.step, tokens, positions, mask)
@@ -184,6 +193,23 @@ class PackagedStep:
 
     def package_name(self, fewest: int, most: Optional[int]) -> str:
         return f"{self.step}-{self.what}-{fewest}-{'up' if most is None else most}.pt2"
+
+
+@contextmanager
+def one_build_at_a_time(compiled: Path):
+    """Hold the machine's package-building lock (a file in the compiled cache): the ranks of one machine that compile
+    the same graph at once (SmolLM2 at 3 ranks: every rank's shapes alike) race in inductor's shared cache (seen: a
+    package that would not load, its JSON read empty), and on few cores take no longer one after another."""
+    with open(compiled / ".building", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process on this machine to finish compiling its package")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def why_not_packaged(model) -> Optional[str]:

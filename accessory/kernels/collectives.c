@@ -15,8 +15,13 @@
    ends the others with an error naming it) and that `timeout_s` has not passed. With more ranks than cores, spinning
    takes the core the awaited rank needs: then `spin_us` is 0 and a waiter only yields before it sleeps.
 
+   A waiter that sleeps lets go of Python's GIL if its thread holds it (an AOTInductor package's run does, while it
+   calls these as operators): the rank's other Python threads, its watchdog's heartbeat among them, go on meanwhile,
+   so a rank that waits long for another (compiling its step) is not taken for a frozen one.
+
    Errors: each call returns 0, or -1 with a message for accessory_shm_error(). */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <errno.h>
 #include <linux/futex.h>
 #include <sched.h>
@@ -61,7 +66,7 @@ typedef struct {
 
 typedef struct {
     char *base;
-    int64_t bytes, slot_bytes, spin_ns;
+    int64_t bytes, slot_bytes, spin_ns, sent; /* sent: what this rank wrote into its slots, for the others */
     int rank, world;
     uint32_t round;
     double timeout_s;
@@ -121,8 +126,12 @@ int accessory_shm_attach(int fd, int64_t bytes, int rank, int world, int64_t slo
         return -1;
     }
     h->ranks[rank].pid = (int32_t)getpid();
-    groups[handle] = (Group){base, bytes, slot_bytes, (int64_t)(spin_us * 1e3), rank, world, 0, timeout_s};
+    groups[handle] = (Group){base, bytes, slot_bytes, (int64_t)(spin_us * 1e3), 0, rank, world, 0, timeout_s};
     return handle;
+}
+
+int64_t accessory_shm_bytes_sent(int handle) {
+    return handle >= 0 && handle < MAX_GROUPS && groups[handle].base != NULL ? groups[handle].sent : -1;
 }
 
 void accessory_shm_detach(int handle) {
@@ -156,6 +165,28 @@ static int ended(int32_t pid) {
     return n == 1 && (state == 'Z' || state == 'X');
 }
 
+/* Python's GIL, if this process runs Python and this thread holds it: let go before sleeping, take it back after
+   (found at run time: the library does not link against Python). */
+typedef struct {
+    int (*held)(void);
+    void *(*release)(void);
+    void (*restore)(void *);
+} Gil;
+
+static Gil gil_api(void) {
+    static Gil gil;
+    static int looked;
+    if (!looked) {
+        gil.held = (int (*)(void))dlsym(RTLD_DEFAULT, "PyGILState_Check");
+        gil.release = (void *(*)(void))dlsym(RTLD_DEFAULT, "PyEval_SaveThread");
+        gil.restore = (void (*)(void *))dlsym(RTLD_DEFAULT, "PyEval_RestoreThread");
+        looked = 1;
+    }
+    return gil;
+}
+
+static int sleep_for(const Group *g, int rank, uint32_t round, double timeout_s);
+
 static int wait_for(const Group *g, int rank, uint32_t round, double timeout_s) {
     RankState *s = &header(g)->ranks[rank];
     if (reached(s, round)) return 0;
@@ -170,6 +201,15 @@ static int wait_for(const Group *g, int rank, uint32_t round, double timeout_s) 
         sched_yield();
         if (reached(s, round)) return 0;
     }
+    const Gil gil = gil_api();
+    void *thread = gil.held && gil.release && gil.restore && gil.held() ? gil.release() : NULL;
+    const int failed = sleep_for(g, rank, round, timeout_s);
+    if (thread != NULL) gil.restore(thread);
+    return failed;
+}
+
+static int sleep_for(const Group *g, int rank, uint32_t round, double timeout_s) {
+    RankState *s = &header(g)->ranks[rank];
     const double start = now_s();
     for (;;) {
         atomic_fetch_add(&s->sleepers, 1);
@@ -283,6 +323,7 @@ int accessory_shm_all_reduce(int handle, const void *in, void *out, int64_t n, i
     for (int64_t done = 0; done < n; done += per_round) {
         const int64_t count = n - done < per_round ? n - done : per_round;
         memcpy(slot(g, g->rank, g->round + 1), (const char *)in + done * size, (size_t)(count * size));
+        g->sent += count * size;
         if (round_trip(g, timeout_s)) return -1;
         for (int r = 0; r < g->world; r++) parts[r] = slot(g, r, g->round);
         sum_parts(dtype, parts, g->world, (char *)out + done * size, count);
@@ -298,6 +339,7 @@ int accessory_shm_all_gather(int handle, const void *in, void *out, int64_t byte
     for (int64_t done = 0; done < bytes; done += g->slot_bytes) {
         const int64_t count = bytes - done < g->slot_bytes ? bytes - done : g->slot_bytes;
         memcpy(slot(g, g->rank, g->round + 1), (const char *)in + done, (size_t)count);
+        g->sent += count;
         if (round_trip(g, timeout_s)) return -1;
         for (int r = 0; r < g->world; r++) memcpy((char *)out + r * bytes + done, slot(g, r, g->round), (size_t)count);
     }
@@ -312,6 +354,7 @@ int accessory_shm_gather(int handle, const void *in, void *out, int64_t bytes, i
     for (int64_t done = 0; done < bytes; done += g->slot_bytes) {
         const int64_t count = bytes - done < g->slot_bytes ? bytes - done : g->slot_bytes;
         memcpy(slot(g, g->rank, g->round + 1), (const char *)in + done, (size_t)count);
+        g->sent += g->rank == dst ? 0 : count;
         if (round_trip(g, timeout_s)) return -1;
         if (g->rank == dst)
             for (int r = 0; r < g->world; r++)
@@ -327,7 +370,10 @@ int accessory_shm_broadcast(int handle, void *data, int64_t bytes, int src, doub
     timeout_s = timeout_or_default(g, timeout_s);
     for (int64_t done = 0; done < bytes; done += g->slot_bytes) {
         const int64_t count = bytes - done < g->slot_bytes ? bytes - done : g->slot_bytes;
-        if (g->rank == src) memcpy(slot(g, src, g->round + 1), (const char *)data + done, (size_t)count);
+        if (g->rank == src) {
+            memcpy(slot(g, src, g->round + 1), (const char *)data + done, (size_t)count);
+            g->sent += count;
+        }
         if (round_trip(g, timeout_s)) return -1;
         if (g->rank != src) memcpy((char *)data + done, slot(g, src, g->round), (size_t)count);
     }

@@ -77,6 +77,12 @@ class SharedMemoryGroup:
                                                    ctypes.c_int64(x.nbytes), dst, ctypes.c_double(0.0)))
         return out
 
+    @property
+    def bytes_sent(self) -> int:
+        """What this rank has written into the segment for the others so far (what a network would carry)."""
+        self._lib.accessory_shm_bytes_sent.restype = ctypes.c_int64
+        return self._lib.accessory_shm_bytes_sent(self.handle)
+
     def close(self) -> None:
         self._lib.accessory_shm_detach(self.handle)
 

@@ -33,3 +33,8 @@ class RanksDisagree(RuntimeError):
     """The ranks of a model-parallel group are not at the same generation step: user code that differs between
     ranks (a `break` out of `stream_generate` on some ranks only, a call that only some ranks make), or a rank that
     stopped. Raised on every rank that can still raise; the group cannot be used after it."""
+
+
+class CollectivesOutOfStep(RanksDisagree):
+    """Ranks that share a shared-memory segment met in different collectives (their calls went out of step); the
+    message names both."""

@@ -104,7 +104,8 @@ def run_process(cache: Path, folder: Path, quant: str = "", prompts=PROMPTS, spe
 
 def packages(cache: Path) -> dict[str, list[str]]:
     """{key: its package names} in the cache."""
-    return {key.name: sorted(p.name for p in key.glob("*.pt2")) for key in sorted((cache / "compiled").iterdir())}
+    return {key.name: sorted(p.name for p in key.glob("*.pt2"))
+            for key in sorted((cache / "compiled").iterdir()) if key.is_dir()}  # not the build lock
 
 
 def assert_decodes_as_eager(result: dict) -> None:

@@ -1,7 +1,8 @@
 """Collectives through shared memory between the ranks of one machine (parallel/shared_memory.py,
 kernels/collectives.c), against gloo's: every size and dtype the runtime sends, at 2, 3 and 4 ranks on 2 cores
 (more ranks than cores), eager and compiled; the segment private and never left in /dev/shm; a rank killed with
-SIGKILL in the middle of a collective ends the others with an error naming it."""
+SIGKILL in the middle of a collective ends the others with an error naming it; ranks in different collectives both
+fail at once, naming them."""
 from __future__ import annotations
 
 import os
@@ -144,6 +145,39 @@ def test_a_rank_waiting_with_the_gil_held_lets_its_other_threads_run():
     results = run_ranks(2, waiting_with_the_gil_held)
     assert not isinstance(results[0], Exception), results[0].rank_traceback
     assert results[0] > 50, f"{results[0]} beats in 2 s: the waiting rank kept the GIL"
+
+
+def in_different_collectives() -> tuple[str, str, float]:
+    """Rank 0 broadcasts a count while rank 1 all-reduces a step's activations (calls gone out of step): what each
+    raised, and its message, and then whether the ranks still sum alike once back in step through gloo."""
+    import torch.distributed as dist
+
+    from accessory.parallel import ParallelContext
+
+    ctx = ParallelContext.from_group(None)
+    try:
+        if ctx.rank == 0:
+            ctx.broadcast(torch.tensor([5]))
+        else:
+            ctx.sum_in_step(torch.ones(576))
+        raised = ("nothing", "")
+    except Exception as e:
+        raised = (type(e).__name__, str(e))
+    x = torch.ones(3)
+    dist.all_reduce(x)
+    return raised + (float(x[0]),)
+
+
+def test_ranks_in_different_collectives_both_fail_at_once_naming_both():
+    """Every round carries what its collective is: ranks whose calls went out of step raise CollectivesOutOfStep
+    (a RanksDisagree) at their first collective that differs, each naming both (gloo would sum or wait instead)."""
+    for rank, result in enumerate(run_ranks(2, in_different_collectives)):
+        assert not isinstance(result, Exception), result.rank_traceback
+        kind, message, summed = result
+        assert kind == "CollectivesOutOfStep", (rank, kind, message)
+        assert ("not in the same collective" in message and "a broadcast of 8 bytes from rank 0" in message
+                and "an all-reduce of 2304 float32" in message), message
+        assert summed == 2.0
 
 
 KILLED_SCRIPT = """

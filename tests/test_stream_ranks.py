@@ -61,24 +61,29 @@ print(f"[rank {{rank}}] no error", flush=True)
 
 
 @pytest.mark.alone  # the ranks must answer within TIMEOUT_S
-def test_a_break_on_one_rank_only_ends_every_rank_with_a_named_error(smollm2_checkpoint, tmp_path):
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_a_break_on_one_rank_only_ends_every_rank_with_a_named_error(smollm2_checkpoint, tmp_path, transport):
     """Under torchrun, rank 0 leaves the stream after 3 chunks and goes on to its next call; ranks 1 and 2 go on
-    reading. Ranks 1 and 2 raise RanksDisagree within the rank timeout (they wait for rank 0 in the next step);
-    rank 0, blocked in a collective that the others never join, is ended by its watchdog with their message."""
+    reading. Ranks 1 and 2 raise RanksDisagree naming where they are: through shared memory at once (rank 0's next
+    collective is not theirs), through gloo within the rank timeout (they wait for rank 0 in the next step). Rank 0
+    raises too, or, blocked in a collective that the others never join, is ended by its watchdog with their
+    message."""
     script = tmp_path / "disagree.py"
     script.write_text(DISAGREEING_SCRIPT.format(tests=str(Path(__file__).parent), folder=str(smollm2_checkpoint),
                                                 timeout=TIMEOUT_S))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(script)]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=300, env=dict(os.environ,
-                                                                                      OMP_NUM_THREADS="1"))
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, env=dict(
+        os.environ, OMP_NUM_THREADS="1", ACCESSORY_TRANSPORT=transport))
     out = run.stdout + run.stderr
     assert run.returncode != 0 and "no error" not in out, out[-4000:]
     assert "[rank 0] left the loop" in out, out[-4000:]
+    cause = r"not (at the same generation step|in the same collective)"
     for rank in range(3):  # each raised, or (blocked in a collective) was ended by its watchdog, naming the cause
-        raised = re.search(rf"\[rank {rank}\] raised RanksDisagree after ([0-9.]+) s: .*not at the same generation "
-                           rf"step", out)
-        ended = re.search(rf"\[rank {rank}\] rank \d failed: the model-parallel ranks are not at the same generation "
-                          rf"step", out)
+        raised = re.search(rf"\[rank {rank}\] raised RanksDisagree after ([0-9.]+) s: .*{cause}", out)
+        ended = re.search(rf"\[rank {rank}\] rank \d failed: .*{cause}", out)
         assert (raised and float(raised.group(1)) < TIMEOUT_S + 10) or ended, out[-4000:]
-    assert re.search(r"rank [12] waited 5 s for the other ranks at generation call 1, step \d", out), out[-4000:]
+    where = (r"rank [12] is at generation call 1, step \d, but .* not in the same collective: rank [12] is in an "
+             r"all-reduce of \d+ int64, rank 0 in a broadcast" if transport == "shm" else
+             r"rank [12] waited 5 s for the other ranks at generation call 1, step \d")
+    assert re.search(where, out), out[-4000:]

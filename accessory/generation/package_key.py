@@ -21,11 +21,20 @@ SOURCE_SUFFIXES = (".py", ".c", ".cpp")
 
 def model_key(model) -> str:
     """The part of the key a loaded model fixes (computed once per engine: it reads no weight's values)."""
-    parts = [repr(sorted(asdict(model.args).items())), type(model).__name__, str(model.dtype),
-             *_weights_layout(model), source_fingerprint(), torch.__version__, platform.machine(),
-             torch.backends.cpu.get_cpu_capability(), f"rank {model.ctx.rank} of {model.ctx.world_size}",
-             f"shared-memory group {model.ctx.local.handle if model.ctx.local is not None else None}"]
-    return _digest(parts)
+    return _digest([*_graph_parts(model), f"rank {model.ctx.rank}",
+                    f"shared-memory group {model.ctx.local.handle if model.ctx.local is not None else None}"])
+
+
+def graph_family(model) -> str:
+    """What the ranks of a model share whose steps compile the same graphs (their key without the rank: SmolLM2's
+    ranks at 3 have the same shapes)."""
+    return _digest(_graph_parts(model))
+
+
+def _graph_parts(model) -> list[str]:
+    return [repr(sorted(asdict(model.args).items())), type(model).__name__, str(model.dtype), *_weights_layout(model),
+            source_fingerprint(), torch.__version__, platform.machine(), torch.backends.cpu.get_cpu_capability(),
+            f"ranks {model.ctx.world_size}"]
 
 
 @functools.cache

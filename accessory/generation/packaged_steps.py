@@ -11,8 +11,8 @@ torch.compile (model_runner.compiled), with one line saying why: a mixture of ex
 accessory::grouped_experts, is a Python operator), ranks whose collectives go through gloo (a package compiles, but
 its collectives fail when it runs, with torch 2.13: several rows' `_c10d_functional.wait_tensor` raises, one row's
 step hangs; ranks of one machine exchange through the shared-memory operators instead, which packages call as they
-call the products), a cache that is not private, or an export or compilation that fails. The ranks of one machine
-build their packages one at a time (`one_build_at_a_time`). A verify step of several rows runs
+call the products), a cache that is not private, or an export or compilation that fails. Processes of one machine
+that compile the same graphs (a model's ranks) build one at a time (`one_build_at_a_time`). A verify step of several rows runs
 under torch.compile too (speculation pays at few rows, where one row is the common case).
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from accessory.cache_dir import cache_dir, cache_folder, untrusted
 from accessory.errors import ConfigError
 from accessory.generation import step_export
 from accessory.generation.model_runner import MIN_COLUMNS, compiled
-from accessory.generation.package_key import model_key, package_key
+from accessory.generation.package_key import graph_family, model_key, package_key
 from accessory.network.components import MoEFeedForward, decode_mask
 
 log = logging.getLogger(__name__)
@@ -64,13 +64,13 @@ class PackagedStep:
         self.builds = self.loads = 0
         self.reason = ""
         self.unpackaged: Optional[Callable] = None  # torch.compile's step: for what no package runs, made when needed
-        self.model_key = None
+        self.model_key = self.family = None
         self.steps: dict[str, list[tuple[int, Optional[int], Callable]]] = {}  # key -> (fewest, most, step)
         reason = why_not_packaged(model)
         if reason is not None:
             self.use_torch_compile(reason, logging.INFO)
         else:
-            self.model_key = model_key(model)
+            self.model_key, self.family = model_key(model), graph_family(model)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if not self.reason and (self.step == "decode" or tokens.shape[0] == 1):
@@ -160,8 +160,8 @@ class PackagedStep:
 
     def build(self, folder: Path, tokens, positions, mask) -> Optional[Callable]:
         """Export and compile the step for the call's size into a package in `folder` (atomically), and load it;
-        one package at a time on this machine (`one_build_at_a_time`)."""
-        with one_build_at_a_time(folder.parent):
+        one package of this model's graphs at a time on this machine (`one_build_at_a_time`)."""
+        with one_build_at_a_time(folder.parent, self.family):
             return self.load_cached(folder, tokens.shape[self.dim]) or self._build(folder, tokens, positions, mask)
 
     def _build(self, folder: Path, tokens, positions, mask) -> Optional[Callable]:
@@ -196,15 +196,16 @@ class PackagedStep:
 
 
 @contextmanager
-def one_build_at_a_time(compiled: Path):
-    """Hold the machine's package-building lock (a file in the compiled cache): the ranks of one machine that compile
-    the same graph at once (SmolLM2 at 3 ranks: every rank's shapes alike) race in inductor's shared cache (seen: a
-    package that would not load, its JSON read empty), and on few cores take no longer one after another."""
-    with open(compiled / ".building", "a") as lock:
+def one_build_at_a_time(compiled: Path, family: str):
+    """Hold the lock (a file in the compiled cache) of the packages of one graph family (graph_family: a model's
+    ranks, and other jobs of the same model and rank count): processes that compile the same graphs at once (SmolLM2
+    at 3 ranks: every rank's shapes alike) race in inductor's shared cache (seen: a package that would not load, its
+    JSON read empty); one after another, the later ones find inductor's cached graphs. Other models build meanwhile."""
+    with open(compiled / f".building-{family}", "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log.info("waiting for another process on this machine to finish compiling its package")
+            log.info("waiting for another process on this machine to finish compiling the same graphs")
             fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield

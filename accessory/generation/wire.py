@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from accessory.errors import RanksDisagree
+from accessory.errors import CollectivesOutOfStep, RanksDisagree
 from accessory.generation.scheduler import Plan
 from accessory.parallel.watchdog import announce_failure, await_verdict_on_silent_ranks
 
@@ -80,6 +80,8 @@ def _sum_in_step(ctx, header: torch.Tensor, place: int) -> torch.Tensor:
     except TimeoutError:
         await_verdict_on_silent_ranks()
         _disagree(f"rank {ctx.rank} waited {ctx.timeout_s:g} s for the other ranks at {_where(place)}")
+    except CollectivesOutOfStep as e:  # shared memory: some rank is in another collective
+        _disagree(f"rank {ctx.rank} is at {_where(place)}, but {e}")
 
 
 def _check_places(ctx, places: list[int], place: int) -> None:

@@ -10,6 +10,10 @@
    round ahead of another, and a round needs no second wait. Every rank adds the slots in rank order, so every rank
    ends with the same bits.
 
+   With each round a rank posts what its collective is (kind, dtype, bytes, root: its `what` for that slot), and
+   checks the others': ranks whose calls went out of step (one left a loop the others stay in) fail at once with
+   both collectives named, instead of summing one's activations into another's counters.
+
    Waiting: spin for `spin_us` microseconds, then sleep on the counter (a futex, woken by the rank that posts) with
    a short timeout, in between checking that the awaited rank's process still lives (a rank killed mid-collective
    ends the others with an error naming it) and that `timeout_s` has not passed. With more ranks than cores, spinning
@@ -19,7 +23,8 @@
    calls these as operators): the rank's other Python threads, its watchdog's heartbeat among them, go on meanwhile,
    so a rank that waits long for another (compiling its step) is not taken for a frozen one.
 
-   Errors: each call returns 0, or -1 with a message for accessory_shm_error(). */
+   Errors: each call returns 0, or -1 with a message for accessory_shm_error(): -2 where the ranks are in different
+   collectives. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
@@ -51,8 +56,11 @@ typedef struct {
     _Atomic uint32_t posted;   /* the last round this rank posted */
     _Atomic uint32_t sleepers; /* ranks asleep on `posted` */
     int32_t pid;
-    char pad[LINE - 12];
+    int32_t unused;
+    uint64_t what[2];          /* the collective of the round in each slot (what_of) */
+    char pad[LINE - 32];
 } RankState;
+_Static_assert(sizeof(RankState) == LINE, "one cache line a rank");
 
 typedef struct {
     uint64_t magic;
@@ -234,15 +242,58 @@ static int sleep_for(const Group *g, int rank, uint32_t round, double timeout_s)
     }
 }
 
-/* Post the next round (this rank's slot is written) and wait until every rank has. */
-static int round_trip(Group *g, double timeout_s) {
+/* ---- which collective a round belongs to ------------------------------------------------------------------------ */
+
+enum { ALL_REDUCE = 1, ALL_GATHER, GATHER, BROADCAST };
+static const char *const KIND_NAMES[] = {"?", "an all-reduce", "an all-gather", "a gather", "a broadcast"};
+static const char *const DTYPE_NAMES[] = {"float32", "float64", "bfloat16", "float16", "int32", "int64", "bytes"};
+#define RAW 6 /* the dtype of a collective that only moves bytes */
+
+/* kind (4 bits), dtype (4), root rank (8), total bytes (48) */
+static uint64_t what_of(int kind, int dtype, int root, int64_t bytes) {
+    return (uint64_t)kind << 60 | (uint64_t)dtype << 56 | (uint64_t)(root & 0xff) << 48 |
+           ((uint64_t)bytes & 0xffffffffffffull);
+}
+
+static int describe(char *out, size_t size, uint64_t what) {
+    const int kind = (int)(what >> 60), dtype = (int)(what >> 56 & 0xf), root = (int)(what >> 48 & 0xff);
+    const long long bytes = (long long)(what & 0xffffffffffffull);
+    const char *name = kind >= ALL_REDUCE && kind <= BROADCAST ? KIND_NAMES[kind] : KIND_NAMES[0];
+    const char *type = dtype <= RAW ? DTYPE_NAMES[dtype] : "?";
+    if (kind == GATHER || kind == BROADCAST)
+        return snprintf(out, size, "%s of %lld %s %s rank %d", name, bytes, type, kind == GATHER ? "to" : "from",
+                        root);
+    return snprintf(out, size, "%s of %lld %s", name, bytes, type);
+}
+
+/* The others' collective in the round just completed is this rank's, or -2 with both named. */
+static int same_collective(const Group *g, uint32_t round) {
+    const uint64_t mine = header(g)->ranks[g->rank].what[round & 1];
+    for (int r = 0; r < g->world; r++) {
+        const uint64_t theirs = header(g)->ranks[r].what[round & 1];
+        if (theirs == mine) continue;
+        char a[160], b[160];
+        describe(a, sizeof a, mine);
+        describe(b, sizeof b, theirs);
+        snprintf(error_message, sizeof error_message,
+                 "the model-parallel ranks are not in the same collective: rank %d is in %s, rank %d in %s", g->rank,
+                 a, r, b);
+        return -2;
+    }
+    return 0;
+}
+
+/* Post the next round (this rank's slot is written) as part of collective `what`, wait until every rank has, and
+   check that theirs is the same collective. */
+static int round_trip(Group *g, uint64_t what, double timeout_s) {
     const uint32_t round = ++g->round;
     RankState *mine = &header(g)->ranks[g->rank];
-    atomic_store(&mine->posted, round);
+    mine->what[round & 1] = what;
+    atomic_store(&mine->posted, round); /* release: the slot and `what` are visible before the count */
     if (atomic_load(&mine->sleepers)) syscall(SYS_futex, &mine->posted, FUTEX_WAKE, 0x7fffffff, NULL, NULL, 0);
     for (int r = 0; r < g->world; r++)
         if (r != g->rank && wait_for(g, r, round, timeout_s)) return -1;
-    return 0;
+    return same_collective(g, round);
 }
 
 static double timeout_or_default(const Group *g, double timeout_s) { return timeout_s > 0 ? timeout_s : g->timeout_s; }
@@ -318,13 +369,15 @@ int accessory_shm_all_reduce(int handle, const void *in, void *out, int64_t n, i
         return -1;
     }
     timeout_s = timeout_or_default(g, timeout_s);
+    const uint64_t what = what_of(ALL_REDUCE, dtype, 0, n * size);
     const int64_t per_round = g->slot_bytes / size;
     const char *parts[MAX_RANKS];
     for (int64_t done = 0; done < n; done += per_round) {
         const int64_t count = n - done < per_round ? n - done : per_round;
         memcpy(slot(g, g->rank, g->round + 1), (const char *)in + done * size, (size_t)(count * size));
         g->sent += count * size;
-        if (round_trip(g, timeout_s)) return -1;
+        const int failed = round_trip(g, what, timeout_s);
+        if (failed) return failed;
         for (int r = 0; r < g->world; r++) parts[r] = slot(g, r, g->round);
         sum_parts(dtype, parts, g->world, (char *)out + done * size, count);
     }
@@ -336,11 +389,13 @@ int accessory_shm_all_gather(int handle, const void *in, void *out, int64_t byte
     Group *g = group_of(handle);
     if (g == NULL) return -1;
     timeout_s = timeout_or_default(g, timeout_s);
+    const uint64_t what = what_of(ALL_GATHER, RAW, 0, bytes);
     for (int64_t done = 0; done < bytes; done += g->slot_bytes) {
         const int64_t count = bytes - done < g->slot_bytes ? bytes - done : g->slot_bytes;
         memcpy(slot(g, g->rank, g->round + 1), (const char *)in + done, (size_t)count);
         g->sent += count;
-        if (round_trip(g, timeout_s)) return -1;
+        const int failed = round_trip(g, what, timeout_s);
+        if (failed) return failed;
         for (int r = 0; r < g->world; r++) memcpy((char *)out + r * bytes + done, slot(g, r, g->round), (size_t)count);
     }
     return 0;
@@ -351,11 +406,13 @@ int accessory_shm_gather(int handle, const void *in, void *out, int64_t bytes, i
     Group *g = group_of(handle);
     if (g == NULL) return -1;
     timeout_s = timeout_or_default(g, timeout_s);
+    const uint64_t what = what_of(GATHER, RAW, dst, bytes);
     for (int64_t done = 0; done < bytes; done += g->slot_bytes) {
         const int64_t count = bytes - done < g->slot_bytes ? bytes - done : g->slot_bytes;
         memcpy(slot(g, g->rank, g->round + 1), (const char *)in + done, (size_t)count);
         g->sent += g->rank == dst ? 0 : count;
-        if (round_trip(g, timeout_s)) return -1;
+        const int failed = round_trip(g, what, timeout_s);
+        if (failed) return failed;
         if (g->rank == dst)
             for (int r = 0; r < g->world; r++)
                 memcpy((char *)out + r * bytes + done, slot(g, r, g->round), (size_t)count);
@@ -368,13 +425,15 @@ int accessory_shm_broadcast(int handle, void *data, int64_t bytes, int src, doub
     Group *g = group_of(handle);
     if (g == NULL) return -1;
     timeout_s = timeout_or_default(g, timeout_s);
+    const uint64_t what = what_of(BROADCAST, RAW, src, bytes);
     for (int64_t done = 0; done < bytes; done += g->slot_bytes) {
         const int64_t count = bytes - done < g->slot_bytes ? bytes - done : g->slot_bytes;
         if (g->rank == src) {
             memcpy(slot(g, src, g->round + 1), (const char *)data + done, (size_t)count);
             g->sent += count;
         }
-        if (round_trip(g, timeout_s)) return -1;
+        const int failed = round_trip(g, what, timeout_s);
+        if (failed) return failed;
         if (g->rank != src) memcpy((char *)data + done, slot(g, src, g->round), (size_t)count);
     }
     return 0;

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from accessory.errors import ConfigError, RanksDisagree
-from accessory.parallel.shared_memory import SharedMemoryGroup, for_group, forget_groups
+from accessory.errors import CollectivesOutOfStep, ConfigError, RanksDisagree
+from accessory.parallel.shared_memory import OUT_OF_STEP, SharedMemoryGroup, for_group, forget_groups
 from accessory.parallel.watchdog import announced_failure, stop_watchdog
 
 log = logging.getLogger(__name__)
@@ -250,7 +250,8 @@ class ParallelContext:
 
     def sum_in_step(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's x (in place), waiting at most `timeout_s` for the other ranks (on gloo; NCCL
-        applies the process group's own timeout). Raises TimeoutError if they do not all come."""
+        applies the process group's own timeout). Raises TimeoutError if they do not all come, CollectivesOutOfStep
+        if (through shared memory) some are in another collective."""
         if self.world_size > 1 and self.local is not None:
             try:
                 with _peer_failures_named():
@@ -360,6 +361,8 @@ def _peer_failures_named():
         yield
     except RuntimeError as e:
         failed = announced_failure()
-        if failed is None:
-            raise
-        raise RanksDisagree(f"rank {failed[0]} failed: {failed[1]}") from e
+        if failed is not None:
+            raise RanksDisagree(f"rank {failed[0]} failed: {failed[1]}") from e
+        if OUT_OF_STEP in str(e):  # the segment saw the ranks in different collectives
+            raise CollectivesOutOfStep(str(e)) from None
+        raise

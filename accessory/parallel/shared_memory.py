@@ -36,6 +36,7 @@ SHM_DIR = Path("/dev/shm")
 SLOT_BYTES = 1 << 20  # each rank's part of one round; a larger tensor takes several rounds
 SPIN_US = 100.0  # how long a waiting rank spins before it sleeps, when every rank has a core of its own
 TRANSPORT_VARIABLE = "ACCESSORY_TRANSPORT"
+OUT_OF_STEP = "not in the same collective"  # in the error of ranks whose calls went out of step (collectives.c)
 _DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3, torch.int32: 4, torch.int64: 5}
 
 

@@ -103,7 +103,8 @@ def decode_table(results: list[dict]) -> str:
         one = next((o for o in same if o["threads"] == 1), None)
         peer = next((o for o in same if o["threads"] == r["ranks"] * r["threads"]), None)
         ratio = lambda o: f"{r['tok_s'] / o['tok_s']:.2f}" if o else "-"  # noqa: E731
-        lines.append(f"| {r['model']} | {r['dtype']} | {r['mode']} | {r['batch']} | {r['ranks']} x {r['threads']} | "
+        where = f"{r['ranks_note']} x {r['threads']}" if "ranks_note" in r else f"{r['ranks']} x {r['threads']}"
+        lines.append(f"| {r['model']} | {r['dtype']} | {r['mode']} | {r['batch']} | {where} | "
                      f"{r['tok_s']:.1f} | {ratio(one)} | {ratio(peer) if r['ranks'] > 1 else '-'} | "
                      f"{r['bytes_per_token_rank']:.0f} |")
     return "\n".join(lines)
@@ -268,7 +269,8 @@ NAMESPACES, ADDRESSES = ("acc-m0", "acc-m1"), ("10.213.0.1", "10.213.0.2")
 
 
 def two_machines(args) -> list[dict]:
-    """Each namespace a machine with `--ranks[0]` ranks, joined by a rate-limited veth pair; the same jobs."""
+    """Each namespace a machine with `--ranks[0]` ranks, joined by a rate-limited veth pair; the same jobs, and
+    beside each its peers in the same run: one process (1 thread, and as many threads as the ranks have in all)."""
     if os.geteuid() != 0:
         print("--two-machines needs root (network namespaces); skipped", file=sys.stderr)
         return []
@@ -282,6 +284,9 @@ def two_machines(args) -> list[dict]:
                 for mode in args.modes:
                     print(f"{model} {dtype} {mode}: 2 machines x {per_machine} rank(s) ...", file=sys.stderr)
                     results += two_machine_job(args, model, dtype, mode, per_machine)
+                    worker = ["--worker", "decode", "--models", model, "--dtypes", dtype, "--modes", mode]
+                    for threads in sorted({args.threads_per_rank, 2 * per_machine * args.threads_per_rank}):
+                        results += run_job(args, worker, 1, threads)
     finally:
         unlink_machines()
     print(decode_table(results))

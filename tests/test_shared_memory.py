@@ -106,6 +106,28 @@ def test_gloo_when_asked_and_two_jobs_never_share_a_segment():
         assert second.result() == [(True, [10.0] * 200)] * 2
 
 
+def making_a_context() -> tuple[str, str]:
+    """What making the context raised (its class and message)."""
+    from accessory.parallel import ParallelContext
+
+    try:
+        ParallelContext.from_group(None)
+        return "nothing", ""
+    except Exception as e:
+        return type(e).__name__, str(e)
+
+
+def test_an_unknown_transport_is_refused_by_name():
+    """ACCESSORY_TRANSPORT=fast is a ConfigError (what the command line refuses with exit 2) naming the variable, its
+    value and what it may be, on every rank."""
+    os.environ["ACCESSORY_TRANSPORT"] = "fast"
+    try:
+        results = run_ranks(2, making_a_context)
+    finally:
+        del os.environ["ACCESSORY_TRANSPORT"]
+    assert results == [("ConfigError", "ACCESSORY_TRANSPORT='fast': expected auto, shm or gloo")] * 2
+
+
 def waiting_with_the_gil_held() -> int:
     """Rank 0 waits 2 s in a broadcast called with the GIL held (ctypes.PyDLL keeps it, as an AOTInductor package's
     run does); its other Python thread's beats meanwhile."""

@@ -12,8 +12,8 @@ accessory::grouped_experts, is a Python operator), ranks whose collectives go th
 its collectives fail when it runs, with torch 2.13: several rows' `_c10d_functional.wait_tensor` raises, one row's
 step hangs; ranks of one machine exchange through the shared-memory operators instead, which packages call as they
 call the products), a cache that is not private, or an export or compilation that fails. Processes of one machine
-that compile the same graphs (a model's ranks) build one at a time (`one_build_at_a_time`). A verify step of several rows runs
-under torch.compile too (speculation pays at few rows, where one row is the common case).
+that compile the same graphs (a model's ranks) build one at a time (`one_build_at_a_time`). A verify step of several
+rows runs under torch.compile too (speculation pays at few rows, where one row is the common case).
 """
 from __future__ import annotations
 

@@ -179,7 +179,7 @@ def kept_counts(values: torch.Tensor, lse: Optional[torch.Tensor], complete: boo
     greedy = column([p.greedy for p in params], torch.bool)
     z = values / column([1.0 if p.greedy else p.temperature for p in params])[..., None]
     finite = z.isfinite().sum(dim=-1)
-    whole = finite < k if complete is False else torch.ones_like(finite, dtype=torch.bool)  # past -inf: all -inf
+    whole = (finite < k) | complete  # sorted: past a -inf, every token's logit is -inf
     undecided = k + 1  # no cut
     min_p = column([p.min_p for p in params])
     within = (z - z[..., :1] >= min_p.clamp(min=1e-38).log()[..., None]).sum(dim=-1)

@@ -200,9 +200,9 @@ class Merged:
         """Whether some row's kept tokens may reach past the candidates, at a position it may sample."""
         if self.kept is None:
             return False
-        reached = torch.tensor([[slot <= (len(proposed[row]) if row < len(proposed) else 0)
-                                 for slot in range(self.kept.shape[1])] for row in range(self.kept.shape[0])])
-        return bool(((self.kept == UNKNOWN) & reached).any())
+        rows, slots = self.kept.shape
+        last = torch.tensor([len(proposed[row]) if row < len(proposed) else 0 for row in range(rows)])
+        return bool(((self.kept == UNKNOWN) & (torch.arange(slots) <= last[:, None])).any())
 
 
 def slice_argmax(ctx, local: torch.Tensor, tokens: range) -> list[int]:

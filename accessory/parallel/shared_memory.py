@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from accessory.errors import ConfigError
 from accessory.kernels import build
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class SharedMemoryGroup:
     def __init__(self, handle: int, rank: int, world: int, timeout_s: float):
         self.handle, self.rank, self.world, self.timeout_s = handle, rank, world, timeout_s
         self._lib = ctypes.CDLL(str(build.library_path()))  # the library torch loaded: same groups table
+        self._lib.accessory_shm_bytes_sent.restype = ctypes.c_int64
 
     # all_reduce and all_gather are operators (torch_ops.cpp), so that compiled steps call them; they raise
     # RuntimeError with the C side's message (SharedMemoryError for the rest)
@@ -81,7 +83,6 @@ class SharedMemoryGroup:
     @property
     def bytes_sent(self) -> int:
         """What this rank has written into the segment for the others so far (what a network would carry)."""
-        self._lib.accessory_shm_bytes_sent.restype = ctypes.c_int64
         return self._lib.accessory_shm_bytes_sent(self.handle)
 
     def close(self) -> None:
@@ -136,7 +137,7 @@ def shared_memory_group(group: dist.ProcessGroup, rank: int, world: int) -> Opti
     Collective over `group` (through gloo): every rank of it calls this at the same point."""
     wanted = os.environ.get(TRANSPORT_VARIABLE, "auto")
     if wanted not in ("auto", "shm", "gloo"):
-        raise ValueError(f"{TRANSPORT_VARIABLE}={wanted!r}: expected auto, shm or gloo")
+        raise ConfigError(f"{TRANSPORT_VARIABLE}={wanted!r}: expected auto, shm or gloo")
     local = wanted != "gloo" and SHM_DIR.is_dir() and build.cpu_kernels()
     views = [None] * world
     dist.all_gather_object(views, (host_key() if local else "", socket.gethostname()), group=group)

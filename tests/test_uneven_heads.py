@@ -1,13 +1,13 @@
-"""Uneven head splits: whole GQA groups spread over a rank count that does not divide them (3 KV heads at 2 ranks:
-2 groups and 1), and each KV head's query heads split unevenly over its copies when ranks outnumber KV heads.
+"""Uneven head splits: whole GQA groups spread over a rank count that does not divide them (3 KV heads at 2 ranks: 2
+groups and 1), and each KV head's query heads split unevenly over its copies when ranks outnumber KV heads.
 
-Oracles: hand-computed placements and allowed rank counts; the single-process run (logits within 1e-5 in float,
-1e-4 quantized, the same greedy tokens) of a tiny model saved as 2 uneven shards and resharded to 1 and 3 (the
-weights unchanged, bit for bit), in float, int8 and int4 (on load, and kept by `quantize_checkpoint`), and as a
-llama_peft model with LoRA factors and biases; transformers' greedy tokens for every family (qwen2 biases, qwen3
-and gemma3 q/k norms, mistral and gemma3 windows) with 3 KV heads at 2 ranks; 2 KV heads copied at 4 ranks with
-their 3 query heads split 2 and 1 (saved so, resharded to 1 bit for bit, one process's logits). SmolLM2 at 2 ranks:
-tests/test_real_model.py (against transformers, like its 1 and 3 ranks)."""
+Oracles: hand-computed placements, allowed rank counts and the FFN split that evens them out; the single-process run
+(logits within 1e-5 in float, 1e-4 quantized, the same greedy tokens) of a tiny model saved as 2 uneven shards and
+resharded to 1 and 3 (the weights unchanged, bit for bit), in float, int8 and int4 (on load, and kept by
+`quantize_checkpoint`), and as a llama_peft model with LoRA factors and biases; transformers' greedy tokens for every
+family (qwen2 biases, qwen3 and gemma3 q/k norms, mistral and gemma3 windows) with 3 KV heads at 2 ranks; 2 KV heads
+copied at 4 ranks with their 3 query heads split 2 and 1 (saved so, resharded to 1 bit for bit, one process's
+logits). SmolLM2 at 2 ranks: tests/test_real_model.py (against transformers, like its 1 and 3 ranks)."""
 from __future__ import annotations
 
 import functools
@@ -42,6 +42,24 @@ def test_placements_are_whole_groups_spread_unevenly():
     assert [head_placement(12, 12, 3, r).heads for r in range(3)] == [
         range(make_shard(0, 12, 3, r).start, make_shard(0, 12, 3, r).stop) for r in range(3)]
     assert [head_placement(12, 2, 4, r).kv_heads for r in range(4)] == [range(0, 1)] * 2 + [range(1, 2)] * 2
+
+
+def test_the_feed_forward_evens_out_uneven_heads():
+    """SmolLM2 at 2 ranks (heads 6 and 3): its 1536 hidden units go 683 and 853 in float, so each rank holds half a
+    layer's weights (rank 0's attention: 64 x 2 x (6 + 2) / 3 = 341.3 units, rank 1's 170.7); in whole blocks of
+    32 (Q4_1) 672 and 864; in blocks of 256 the even split. Even heads keep fairscale's even split."""
+    from accessory.parallel import attention_loads, make_shard
+
+    loads = attention_loads(9, 3, 64, 2)
+    assert loads == pytest.approx((341.333, 170.667), abs=1e-3)
+    cuts = {align: [make_shard(0, 1536, 2, rank, align, loads) for rank in range(2)] for align in (1, 32, 256)}
+    assert [[(s.start, s.stop, s.local_size) for s in shards] for shards in cuts.values()] == [
+        [(0, 683, 683), (683, 1536, 853)], [(0, 672, 672), (672, 1536, 864)], [(0, 768, 768), (768, 1536, 768)]]
+    even = attention_loads(9, 3, 64, 3)
+    assert [make_shard(1, 1000, 3, rank, 32, even) for rank in range(3)] == [make_shard(1, 1000, 3, rank, 32)
+                                                                          for rank in range(3)]
+    with pytest.raises(ValueError, match="2 loads for 3 partitions"):
+        make_shard(0, 1536, 3, 0, 1, loads)
 
 
 def test_allowed_rank_counts_and_refusals_name_the_numbers():

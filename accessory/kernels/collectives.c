@@ -16,8 +16,10 @@
 
    Waiting: spin for `spin_us` microseconds, then sleep on the counter (a futex, woken by the rank that posts) with
    a short timeout, in between checking that the awaited rank's process still lives (a rank killed mid-collective
-   ends the others with an error naming it) and that `timeout_s` has not passed. With more ranks than cores, spinning
-   takes the core the awaited rank needs: then `spin_us` is 0 and a waiter only yields before it sleeps.
+   ends the others with an error naming it) and that `timeout_s` has not passed. With more ranks than cores, a
+   spinner would hold the core the awaited rank needs: then the waiter `yields` as it spins (sched_yield gives the
+   core to a rank that is ready to run, or returns at once), and only then sleeps. Sleeping at once costs more: a
+   wake-up on another core takes tens of microseconds, every round, in a virtual machine.
 
    A waiter that sleeps lets go of Python's GIL if its thread holds it (an AOTInductor package's run does, while it
    calls these as operators): the rank's other Python threads, its watchdog's heartbeat among them, go on meanwhile,
@@ -75,7 +77,7 @@ typedef struct {
 typedef struct {
     char *base;
     int64_t bytes, slot_bytes, spin_ns, sent; /* sent: what this rank wrote into its slots, for the others */
-    int rank, world;
+    int rank, world, yields;
     uint32_t round;
     double timeout_s;
 } Group;
@@ -103,7 +105,7 @@ static double now_s(void) {
 
 /* Map the segment open as `fd` (bytes long) as `rank` of `world`; the first rank to map it writes its header (rank
    0, before the others are told its name). Returns a handle >= 0, or -1. */
-int accessory_shm_attach(int fd, int64_t bytes, int rank, int world, int64_t slot_bytes, double spin_us,
+int accessory_shm_attach(int fd, int64_t bytes, int rank, int world, int64_t slot_bytes, double spin_us, int yields,
                          double timeout_s) {
     int handle = 0;
     while (handle < MAX_GROUPS && groups[handle].base != NULL) handle++;
@@ -134,7 +136,8 @@ int accessory_shm_attach(int fd, int64_t bytes, int rank, int world, int64_t slo
         return -1;
     }
     h->ranks[rank].pid = (int32_t)getpid();
-    groups[handle] = (Group){base, bytes, slot_bytes, (int64_t)(spin_us * 1e3), 0, rank, world, 0, timeout_s};
+    groups[handle] = (Group){base, bytes, slot_bytes, (int64_t)(spin_us * 1e3), 0, rank, world, yields != 0, 0,
+                             timeout_s};
     return handle;
 }
 
@@ -198,16 +201,14 @@ static int sleep_for(const Group *g, int rank, uint32_t round, double timeout_s)
 static int wait_for(const Group *g, int rank, uint32_t round, double timeout_s) {
     RankState *s = &header(g)->ranks[rank];
     if (reached(s, round)) return 0;
-    if (g->spin_ns > 0) {
-        const double until = now_s() + g->spin_ns * 1e-9;
-        for (int i = 1;; i++) {
+    const double until = now_s() + g->spin_ns * 1e-9;
+    for (int i = 1;; i++) {
+        if (g->yields)
+            sched_yield();
+        else
             CPU_RELAX();
-            if (reached(s, round)) return 0;
-            if (i % 64 == 0 && now_s() > until) break;
-        }
-    } else {
-        sched_yield();
         if (reached(s, round)) return 0;
+        if ((g->yields || i % 64 == 0) && now_s() > until) break;
     }
     const Gil gil = gil_api();
     void *thread = gil.held && gil.release && gil.restore && gil.held() ? gil.release() : NULL;

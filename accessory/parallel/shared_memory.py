@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")
 SLOT_BYTES = 1 << 20  # each rank's part of one round; a larger tensor takes several rounds
 SPIN_US = 100.0  # how long a waiting rank spins before it sleeps, when every rank has a core of its own
+YIELD_US = 2000.0  # how long it spins yielding its core to a ready rank before it sleeps, when ranks outnumber cores
 TRANSPORT_VARIABLE = "ACCESSORY_TRANSPORT"
 OUT_OF_STEP = "not in the same collective"  # in the error of ranks whose calls went out of step (collectives.c)
 _DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3, torch.int32: 4, torch.int64: 5}
@@ -156,21 +157,22 @@ def _attach(group: dist.ProcessGroup, rank: int, world: int) -> Optional[SharedM
     lib = ctypes.CDLL(str(build.library_path()))
     lib.accessory_shm_segment_bytes.restype = ctypes.c_int64
     size = lib.accessory_shm_segment_bytes(world, ctypes.c_int64(SLOT_BYTES))
-    spin = SPIN_US if _ranks_on_host() <= len(os.sched_getaffinity(0)) else 0.0
+    yields = _ranks_on_host() > len(os.sched_getaffinity(0))
+    spin = YIELD_US if yields else SPIN_US
     timeout_s = _group_timeout_s(group)
     path, handle, problem = None, -1, None
     try:
         if rank == 0:  # creates it and writes its header before the others are told its name
             path = _create(group, size)
             if path is not None:
-                handle = _map(lib, path, size, rank, world, spin, timeout_s)
+                handle = _map(lib, path, size, rank, world, spin, yields, timeout_s)
         box = [str(path) if path else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
         if box[0] is None:
             raise OSError("rank 0 could not make a segment")
         path = Path(box[0])
         if rank != 0:
-            handle = _map(lib, path, size, rank, world, spin, timeout_s)
+            handle = _map(lib, path, size, rank, world, spin, yields, timeout_s)
     except OSError as e:
         problem = f"rank {rank}: {e}"
     problems = [None] * world
@@ -185,17 +187,18 @@ def _attach(group: dist.ProcessGroup, rank: int, world: int) -> Optional[SharedM
                     "; ".join(failed))
         return None
     log.info("model-parallel group of %d ranks on this machine: shared-memory collectives (%s waits)", world,
-             f"spinning {spin:g} us, then sleeping" if spin else "more ranks than cores: sleeping")
+             f"more ranks than cores: yielding for {spin:g} us, then sleeping" if yields else
+             f"spinning {spin:g} us, then sleeping")
     return SharedMemoryGroup(handle, rank, world, timeout_s)
 
 
-def _map(lib, path: Path, size: int, rank: int, world: int, spin: float, timeout_s: float) -> int:
+def _map(lib, path: Path, size: int, rank: int, world: int, spin: float, yields: bool, timeout_s: float) -> int:
     """Map the segment at `path` as `rank`; its handle in the kernels' table."""
     fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     try:
         _check_segment(fd, path, size)
         handle = lib.accessory_shm_attach(fd, ctypes.c_int64(size), rank, world, ctypes.c_int64(SLOT_BYTES),
-                                          ctypes.c_double(spin), ctypes.c_double(timeout_s))
+                                          ctypes.c_double(spin), int(yields), ctypes.c_double(timeout_s))
     finally:
         os.close(fd)  # the mapping stays
     if handle < 0:

@@ -1,7 +1,7 @@
-"""Every family (qwen2, qwen3, mistral, gemma3) against transformers: a tiny random model of each, built and saved
-by transformers, imported by `accessory convert hf`, gives transformers' greedy tokens at 1 and 2 ranks, eager and
-compiled, on a short prompt and on one that crosses the sliding window (and removing the window changes the tokens,
-so the window is what is tested); the prefix cache and int8 quantization work on them."""
+"""Every family (qwen2, qwen3, mistral, gemma3) against transformers: a tiny random model of each, built and saved by
+transformers, imported by `accessory convert hf`, gives transformers' greedy tokens at 1 and 2 ranks, eager (and
+compiled: qwen2 and gemma3), on a short prompt and on one that crosses the sliding window (and removing the window
+changes the tokens, so the window is what is tested); the prefix cache and int8 quantization work on them."""
 from __future__ import annotations
 
 import pytest
@@ -14,6 +14,9 @@ from tiny import FAMILY_CONFIGS, WINDOW, build_tiny_family, greedy_ids
 GEN_STEPS = 24
 FAMILIES = list(FAMILY_CONFIGS)
 WINDOWED = ("mistral", "gemma3")
+# compiled: the families whose steps differ from llama's in what a graph holds (qwen2's biases; gemma3's windows, q/k
+# norms, sandwich norms and GeGLU, which cover mistral's window and qwen3's norms; each compile takes 20-60 s)
+COMPILED = ("qwen2", "gemma3")
 
 
 def prompts() -> list[list[int]]:
@@ -41,7 +44,7 @@ def test_equals_transformers_greedy_tokens(family, families):
     assert our_tokens(folder) == expected
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", COMPILED)
 def test_compiled_equals_transformers(family, families):
     _, folder, expected = families[family]
     assert our_tokens(folder, compile=True) == expected

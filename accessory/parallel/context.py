@@ -183,6 +183,10 @@ class ParallelContext:
     # the group's shared-memory segment when all its ranks are on this machine (parallel/shared_memory.py): then
     # every collective below but the object ones goes through it, else through the process group
     local: Optional[SharedMemoryGroup] = field(default=None, compare=False, repr=False)
+    # where collectives' tensors must live for the group's backend. gloo's are in host memory: CUDA tensors (ranks
+    # sharing one GPU, which NCCL refuses) go through a host copy, since the shared-memory transport reads host
+    # addresses and gloo's own CUDA paths crashed a rank (benchmarks/README.md, "GPU")
+    device: torch.device = field(default=torch.device("cpu"), compare=False, repr=False)
 
     @classmethod
     def from_group(cls, group: Optional[dist.ProcessGroup] = None, timeout_s: float = 60.0) -> "ParallelContext":
@@ -193,19 +197,14 @@ class ParallelContext:
             return cls(None, 0, 1, 0, timeout_s)
         group = group or dist.group.WORLD
         world = dist.get_world_size(group)
-        local = for_group(group) if world > 1 and dist.get_backend(group) == "gloo" else None
-        return cls(group, dist.get_rank(group), world, dist.get_global_rank(group, 0), timeout_s, local)
+        backend = dist.get_backend(group)
+        local = for_group(group) if world > 1 and backend == "gloo" else None
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        return cls(group, dist.get_rank(group), world, dist.get_global_rank(group, 0), timeout_s, local, device)
 
     @property
     def is_source(self) -> bool:
         return self.rank == 0
-
-    @property
-    def device(self) -> torch.device:
-        """Where collectives' tensors must live for this group's backend."""
-        if self.group is not None and dist.get_backend(self.group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
 
     # The layers' collectives are functional (out of place), so a compiled decode step traces through them.
 
@@ -213,6 +212,8 @@ class ParallelContext:
         """The sum of every rank's x."""
         if self.world_size == 1:
             return x
+        if x.device != self.device:
+            return self.all_reduce(x.to(self.device)).to(x.device)
         if self.local is not None:
             return self.local.all_reduce(x)
         return funcol.all_reduce(x, "sum", self.group)
@@ -221,6 +222,8 @@ class ParallelContext:
         """Every rank's x, concatenated along `dim` in rank order."""
         if self.world_size == 1:
             return x
+        if x.device != self.device:
+            return self.all_gather(x.to(self.device), dim).to(x.device)
         if self.local is not None:
             return torch.cat(self.local.all_gather(x).unbind(0), dim=dim)
         if torch.compiler.is_compiling():
@@ -238,6 +241,9 @@ class ParallelContext:
         the source rank samples, so only it needs the whole vocabulary)."""
         if self.world_size == 1:
             return x
+        if x.device != self.device:
+            whole = self.gather_to_source(x.to(self.device), dim)
+            return whole.to(x.device) if whole is not None else None
         if self.local is not None:
             with _peer_failures_named():
                 parts = self.local.gather(x, 0)
@@ -252,6 +258,8 @@ class ParallelContext:
         """The sum of every rank's x (in place), waiting at most `timeout_s` for the other ranks (on gloo; NCCL
         applies the process group's own timeout). Raises TimeoutError if they do not all come, CollectivesOutOfStep
         if (through shared memory) some are in another collective."""
+        if self.world_size > 1 and x.device != self.device:
+            return x.copy_(self.sum_in_step(x.to(self.device)))
         if self.world_size > 1 and self.local is not None:
             try:
                 with _peer_failures_named():
@@ -273,6 +281,8 @@ class ParallelContext:
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank ends with the source rank's `x` (in place)."""
+        if self.world_size > 1 and x.device != self.device:
+            return x.copy_(self.broadcast(x.to(self.device)))
         if self.world_size > 1:
             with _peer_failures_named():
                 if self.local is not None and x.is_contiguous():

@@ -95,18 +95,20 @@ def decoding(args) -> list[dict]:
 
 
 def decode_table(results: list[dict]) -> str:
-    lines = ["| model | dtype | mode | batch | ranks x threads | tok/s | x 1 rank, 1 thread | x 1 process, same threads "
-             "| bytes/token/rank |", "|---|---|---|--:|---|--:|--:|--:|--:|"]
+    lines = ["| model | dtype | mode | batch | ranks x threads | tok/s | x 1 rank, 1 thread "
+             "| x 1 process, same threads | bytes/token/rank | time waiting, by rank |",
+             "|---|---|---|--:|---|--:|--:|--:|--:|--:|"]
     for r in results:
         same = [o for o in results if (o["model"], o["dtype"], o["mode"], o["batch"]) ==
                 (r["model"], r["dtype"], r["mode"], r["batch"]) and o["ranks"] == 1]
         one = next((o for o in same if o["threads"] == 1), None)
         peer = next((o for o in same if o["threads"] == r["ranks"] * r["threads"]), None)
         ratio = lambda o: f"{r['tok_s'] / o['tok_s']:.2f}" if o else "-"  # noqa: E731
+        waiting = " / ".join(f"{w:.2f}" for w in r.get("waiting_share_by_rank", [])) if r["ranks"] > 1 else "-"
         where = f"{r['ranks_note']} x {r['threads']}" if "ranks_note" in r else f"{r['ranks']} x {r['threads']}"
         lines.append(f"| {r['model']} | {r['dtype']} | {r['mode']} | {r['batch']} | {where} | "
                      f"{r['tok_s']:.1f} | {ratio(one)} | {ratio(peer) if r['ranks'] > 1 else '-'} | "
-                     f"{r['bytes_per_token_rank']:.0f} |")
+                     f"{r['bytes_per_token_rank']:.0f} | {waiting} |")
     return "\n".join(lines)
 
 
@@ -145,25 +147,33 @@ def decode_worker(args) -> None:
     for batch in args.batch_sizes:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
         model.generate(prompts, max_gen_len=args.new_tokens)  # warm-up, compilation
-        seconds, sent = [], []
+        seconds, sent, waits = [], [], []
         for _ in range(args.repeats):
             if dist.is_initialized():
                 dist.barrier()
-            before, start = bytes_sent(model.ctx), time.perf_counter()
+            before, waited, start = bytes_sent(model.ctx), waited_s(model.ctx), time.perf_counter()
             model.generate(prompts, max_gen_len=args.new_tokens)
             seconds.append(time.perf_counter() - start)
             sent.append(bytes_sent(model.ctx) - before)
+            waits.append(waited_s(model.ctx) - waited)
         tokens = batch * args.new_tokens
+        # each rank's share of the time spent waiting for the others (through shared memory; 0 otherwise)
+        waiting = model.ctx.all_gather_object(statistics.median(waits) / statistics.median(seconds))
         if model.ctx.is_source:
             result = {"model": model_name, "dtype": dtype, "mode": mode, "batch": batch,
                       "ranks": model.ctx.world_size, "threads": torch.get_num_threads(),
                       "transport": "shared memory" if model.ctx.local is not None else "gloo" if dist.is_initialized()
                       else "-", "tok_s": tokens / statistics.median(seconds), "all_seconds": seconds,
-                      "bytes_per_token_rank": statistics.median(sent) / tokens}
+                      "bytes_per_token_rank": statistics.median(sent) / tokens,
+                      "waiting_share_by_rank": [round(w, 3) for w in waiting]}
             print(MARK + json.dumps(result), flush=True)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def waited_s(ctx) -> float:
+    return ctx.local.waited_s if ctx.local is not None else 0.0
 
 
 def bytes_sent(ctx) -> float:

@@ -169,6 +169,29 @@ def test_a_rank_waiting_with_the_gil_held_lets_its_other_threads_run():
     assert results[0] > 50, f"{results[0]} beats in 2 s: the waiting rank kept the GIL"
 
 
+def waiting_for_a_late_rank() -> tuple[float, float]:
+    """Rank 1 comes 0.3 s late to an all-reduce: (seconds this rank waited in it, seconds in the next, in step)."""
+    from accessory.parallel import ParallelContext
+
+    ctx = ParallelContext.from_group(None)
+    start = ctx.local.waited_s
+    if ctx.rank == 1:
+        time.sleep(0.3)
+    ctx.all_reduce(torch.ones(576))
+    late = ctx.local.waited_s - start
+    ctx.barrier()
+    start = ctx.local.waited_s
+    ctx.all_reduce(torch.ones(576))
+    return late, ctx.local.waited_s - start
+
+
+def test_the_time_a_rank_waits_for_the_others_is_counted():
+    """benchmarks/parallel.py reports each rank's share of a step spent waiting: the early rank's count grows by
+    about the other's lateness, the late rank's barely."""
+    (early, _), (late, in_step) = run_ranks(2, waiting_for_a_late_rank)
+    assert 0.25 < early < 1.0 and late < 0.1 and in_step < 0.1, (early, late, in_step)
+
+
 def in_different_collectives() -> tuple[str, str, float]:
     """Rank 0 broadcasts a count while rank 1 all-reduces a step's activations (calls gone out of step): what each
     raised, and its message, and then whether the ranks still sum alike once back in step through gloo."""

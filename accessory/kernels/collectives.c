@@ -79,7 +79,7 @@ typedef struct {
     int64_t bytes, slot_bytes, spin_ns, sent; /* sent: what this rank wrote into its slots, for the others */
     int rank, world, yields;
     uint32_t round;
-    double timeout_s;
+    double timeout_s, waited_s; /* waited_s: time spent waiting for other ranks to post */
 } Group;
 
 static Group groups[MAX_GROUPS];
@@ -137,12 +137,16 @@ int accessory_shm_attach(int fd, int64_t bytes, int rank, int world, int64_t slo
     }
     h->ranks[rank].pid = (int32_t)getpid();
     groups[handle] = (Group){base, bytes, slot_bytes, (int64_t)(spin_us * 1e3), 0, rank, world, yields != 0, 0,
-                             timeout_s};
+                             timeout_s, 0.0};
     return handle;
 }
 
 int64_t accessory_shm_bytes_sent(int handle) {
     return handle >= 0 && handle < MAX_GROUPS && groups[handle].base != NULL ? groups[handle].sent : -1;
+}
+
+double accessory_shm_waited_s(int handle) {
+    return handle >= 0 && handle < MAX_GROUPS && groups[handle].base != NULL ? groups[handle].waited_s : -1.0;
 }
 
 void accessory_shm_detach(int handle) {
@@ -198,10 +202,19 @@ static Gil gil_api(void) {
 
 static int sleep_for(const Group *g, int rank, uint32_t round, double timeout_s);
 
-static int wait_for(const Group *g, int rank, uint32_t round, double timeout_s) {
+static int spin_or_sleep(const Group *g, int rank, uint32_t round, double timeout_s, double start);
+
+static int wait_for(Group *g, int rank, uint32_t round, double timeout_s) {
+    if (reached(&header(g)->ranks[rank], round)) return 0;
+    const double start = now_s();
+    const int failed = spin_or_sleep(g, rank, round, timeout_s, start);
+    g->waited_s += now_s() - start;
+    return failed;
+}
+
+static int spin_or_sleep(const Group *g, int rank, uint32_t round, double timeout_s, double start) {
     RankState *s = &header(g)->ranks[rank];
-    if (reached(s, round)) return 0;
-    const double until = now_s() + g->spin_ns * 1e-9;
+    const double until = start + g->spin_ns * 1e-9;
     for (int i = 1;; i++) {
         if (g->yields)
             sched_yield();

@@ -53,6 +53,7 @@ class SharedMemoryGroup:
         self.handle, self.rank, self.world, self.timeout_s = handle, rank, world, timeout_s
         self._lib = ctypes.CDLL(str(build.library_path()))  # the library torch loaded: same groups table
         self._lib.accessory_shm_bytes_sent.restype = ctypes.c_int64
+        self._lib.accessory_shm_waited_s.restype = ctypes.c_double
 
     # all_reduce and all_gather are operators (torch_ops.cpp), so that compiled steps call them; they raise
     # RuntimeError with the C side's message (SharedMemoryError for the rest)
@@ -85,6 +86,12 @@ class SharedMemoryGroup:
     def bytes_sent(self) -> int:
         """What this rank has written into the segment for the others so far (what a network would carry)."""
         return self._lib.accessory_shm_bytes_sent(self.handle)
+
+    @property
+    def waited_s(self) -> float:
+        """Seconds this rank has spent so far waiting for the others to reach its collectives: what uneven work
+        between the ranks, and waking them, cost (the collectives' own copying is not counted)."""
+        return self._lib.accessory_shm_waited_s(self.handle)
 
     def close(self) -> None:
         self._lib.accessory_shm_detach(self.handle)

@@ -49,6 +49,17 @@ class Server:
     def read_log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def log_line(self, text: str, timeout: float = 10) -> str:
+        """The first line of the log holding `text`, waiting for it: a request's summary line is written as the
+        request ends, which can come just after its response reached the client."""
+        deadline = time.time() + timeout
+        while True:
+            line = next((line for line in self.read_log().splitlines() if text in line), None)
+            if line is not None:
+                return line
+            assert time.time() < deadline, f"no log line with {text!r} after {timeout} s:\n{self.read_log()[-3000:]}"
+            time.sleep(0.05)
+
     def health(self) -> dict:
         return httpx.get(f"{self.url}/health", timeout=10).json()
 

@@ -324,7 +324,7 @@ def test_request_id_comes_back_and_names_the_log_line(server):
                         headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "trace-42"}, timeout=60)
     assert answer.headers["x-request-id"] == "trace-42"
     usage = answer.json()["usage"]
-    line = next(line for line in server.read_log().splitlines() if "request trace-42:" in line)
+    line = server.log_line("request trace-42:")
     assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \[accessory rank 0\] INFO ", line), line
     assert f"{usage['prompt_tokens']} prompt + {usage['completion_tokens']} output tokens" in line
     assert "first token" in line and "user 'alice'" in line

@@ -44,22 +44,20 @@ def test_placements_are_whole_groups_spread_unevenly():
     assert [head_placement(12, 2, 4, r).kv_heads for r in range(4)] == [range(0, 1)] * 2 + [range(1, 2)] * 2
 
 
-def test_the_feed_forward_evens_out_uneven_heads():
-    """SmolLM2 at 2 ranks (heads 6 and 3): its 1536 hidden units go 683 and 853 in float, so each rank holds half a
-    layer's weights (rank 0's attention: 64 x 2 x (6 + 2) / 3 = 341.3 units, rank 1's 170.7); in whole blocks of
-    32 (Q4_1) 672 and 864; in blocks of 256 the even split. Even heads keep fairscale's even split."""
-    from accessory.parallel import attention_loads, make_shard
+def test_the_feed_forward_is_split_evenly_beside_uneven_heads():
+    """SmolLM2 at 2 ranks (heads 6 and 3): its 1536 hidden units still go 768 and 768. The attention and the FFN
+    each end in an all-reduce, so units moved to the rank with fewer heads would make the other rank wait at the
+    FFN's all-reduce while it still waits at the attention's."""
+    from accessory.network.LLM.llama import ModelArgs, TransformerBlock
+    from accessory.parallel import ParallelContext
 
-    loads = attention_loads(9, 3, 64, 2)
-    assert loads == pytest.approx((341.333, 170.667), abs=1e-3)
-    cuts = {align: [make_shard(0, 1536, 2, rank, align, loads) for rank in range(2)] for align in (1, 32, 256)}
-    assert [[(s.start, s.stop, s.local_size) for s in shards] for shards in cuts.values()] == [
-        [(0, 683, 683), (683, 1536, 853)], [(0, 672, 672), (672, 1536, 864)], [(0, 768, 768), (768, 1536, 768)]]
-    even = attention_loads(9, 3, 64, 3)
-    assert [make_shard(1, 1000, 3, rank, 32, even) for rank in range(3)] == [make_shard(1, 1000, 3, rank, 32)
-                                                                          for rank in range(3)]
-    with pytest.raises(ValueError, match="2 loads for 3 partitions"):
-        make_shard(0, 1536, 3, 0, 1, loads)
+    args = ModelArgs(dim=576, n_heads=9, n_kv_heads=3, hidden_dim=1536)
+    with torch.device("meta"):
+        blocks = [TransformerBlock(args, ParallelContext(None, rank, 2, 0)) for rank in range(2)]
+    assert [b.attention.n_local_heads for b in blocks] == [6, 3]
+    assert [(b.feed_forward.w1.weight_shard.start, b.feed_forward.w1.weight_shard.stop) for b in blocks] == [
+        (0, 768), (768, 1536)]
+    assert [b.feed_forward.w2.weight.shape[1] for b in blocks] == [768, 768]
 
 
 def test_allowed_rank_counts_and_refusals_name_the_numbers():

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch._dynamo  # imported here, by one thread: two threads' first `torch._dynamo` at once fail (circular import)
@@ -370,16 +370,17 @@ def decode_mask(positions: torch.Tensor, columns: int) -> torch.Tensor:
 
 class FeedForward(nn.Module):
     """A gated MLP, w2(act(w1 x) * w3 x), hidden units split across ranks: SwiGLU (act silu: LLaMA, Qwen, Mistral)
-    or GeGLU (gelu_tanh: Gemma). Where the block's attention heads are spread unevenly, the hidden units are spread
-    the other way (`attention_loads`), so that no rank's layer is slower than the others'."""
+    or GeGLU (gelu_tanh: Gemma). The hidden units are split evenly whatever the heads' split: the attention and the
+    FFN each end in an all-reduce, each waited for by the faster ranks, so moving units to the ranks with fewer
+    heads would add a wait at the FFN's all-reduce without taking one from the attention's."""
 
     def __init__(self, dim: int, hidden_dim: int, ctx: ParallelContext, linears: Linears = PLAIN,
-                 activation: str = "silu", attention_loads: Optional[Sequence[float]] = None):
+                 activation: str = "silu"):
         super().__init__()
         self.act = ACTIVATIONS[activation]
-        self.w1 = linears.column(dim, hidden_dim, ctx, loads=attention_loads)
-        self.w2 = linears.row(hidden_dim, dim, ctx, loads=attention_loads)
-        self.w3 = linears.column(dim, hidden_dim, ctx, loads=attention_loads)
+        self.w1 = linears.column(dim, hidden_dim, ctx)
+        self.w2 = linears.row(hidden_dim, dim, ctx)
+        self.w3 = linears.column(dim, hidden_dim, ctx)
         self.w13: FusedColumns | None = None  # w1 and w3 as one product, once `fuse` has run
 
     def fuse(self) -> None:

@@ -2,7 +2,7 @@
 from accessory.parallel.context import (ParallelContext, fairscale_model_parallel_group, init_distributed,
                                         share_cores, shutdown_distributed)
 from accessory.parallel.layers import (ColumnParallelLinear, ExpertLinear, ExpertPlacement, FusedColumns,
-                                       HeadPlacement, ParallelEmbedding, RowParallelLinear, Shard, attention_loads,
+                                       HeadPlacement, ParallelEmbedding, RowParallelLinear, Shard,
                                        expert_placement, global_shape, head_placement, head_shard, make_shard,
                                        shard_of)
 from accessory.parallel.lora import (AdapterRouting, LoraColumnParallelLinear, LoraFactors, LoraRowParallelLinear,
@@ -13,5 +13,4 @@ __all__ = ["ParallelContext", "fairscale_model_parallel_group", "init_distribute
            "ColumnParallelLinear",
            "RowParallelLinear", "FusedColumns", "ParallelEmbedding", "Shard", "make_shard", "shard_of", "global_shape",
            "LoraColumnParallelLinear", "LoraRowParallelLinear", "ReplicatedLinear", "AdapterRouting", "LoraFactors",
-           "ExpertLinear", "ExpertPlacement", "expert_placement", "HeadPlacement", "head_placement", "head_shard",
-           "attention_loads"]
+           "ExpertLinear", "ExpertPlacement", "expert_placement", "HeadPlacement", "head_placement", "head_shard"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -48,34 +48,12 @@ class Shard:
     local_size: int
 
 
-def make_shard(dim: int, size: int, parts: int, index: int, align: int = 1,
-               loads: Optional[Sequence[float]] = None) -> Shard:
-    """Partition `index` of `parts`: ceil(size / parts) long, rounded up to a multiple of `align`.
-
-    `loads`: each partition's other work beside this split (in units of it), where partitions differ in it (the
-    attention of unevenly spread heads). Then each partition takes as many units as make its work and load as
-    even as whole `align` blocks allow, nothing padded (so the slowest rank, which every collective waits for, is
-    no slower than it must be)."""
-    if loads is not None and len(loads) != parts:
-        raise ValueError(f"{len(loads)} loads for {parts} partitions")
-    if loads is not None and len(set(loads)) > 1 and size % align == 0:
-        return _balanced_shard(dim, size, loads, index, align)
+def make_shard(dim: int, size: int, parts: int, index: int, align: int = 1) -> Shard:
+    """Partition `index` of `parts`: ceil(size / parts) long, rounded up to a multiple of `align`."""
     local = -(-size // parts)  # ceil
     local = -(-local // align) * align
     start = min(index * local, size)
     return Shard(dim, start, min(start + local, size), size, local)
-
-
-def _balanced_shard(dim: int, size: int, loads: Sequence[float], index: int, align: int) -> Shard:
-    target = (size + sum(loads)) / len(loads)  # each partition's units + load
-    bounds, wanted = [0], 0.0
-    for load in loads[:-1]:
-        wanted += target - load
-        bound = round(wanted / align) * align
-        bounds.append(min(max(bound, bounds[-1]), size))
-    bounds.append(size)
-    start, stop = bounds[index], bounds[index + 1]
-    return Shard(dim, start, stop, size, stop - start)
 
 
 def spread(count: int, parts: int, index: int) -> range:
@@ -111,13 +89,6 @@ def head_placement(n_heads: int, n_kv_heads: int, world: int, rank: int) -> Head
     return HeadPlacement(range(first + own.start, first + own.stop), range(kv_head, kv_head + 1))
 
 
-def attention_loads(n_heads: int, n_kv_heads: int, head_dim: int, world: int) -> tuple[float, ...]:
-    """Each rank's attention weights (wq and wo rows of its query heads, wk and wv of its KV heads) in hidden units
-    of a gated MLP (3 weights of `dim` each): the `loads` its feed-forward split evens out (make_shard)."""
-    places = [head_placement(n_heads, n_kv_heads, world, rank) for rank in range(world)]
-    return tuple(head_dim * 2 * (len(place.heads) + len(place.kv_heads)) / 3 for place in places)
-
-
 def head_shard(dim: int, heads: range, n_heads: int, head_dim: int) -> Shard:
     """The Shard of consecutive `heads` (head_dim wide each) along `dim` of a tensor holding all n_heads."""
     start, stop = heads.start * head_dim, heads.stop * head_dim
@@ -133,10 +104,9 @@ class ParallelWeight(nn.Module):
     """A layer with a rank's slice of one weight (`weight`, `weight_shard`), float or quantized; and, once a PEFT
     adapter is attached, its LoRA factors (`adapters`: parallel/lora.py's LoraFactors, else None)."""
 
-    def __init__(self, loads: Optional[Sequence[float]] = None):
+    def __init__(self):
         super().__init__()
         self.adapters: Optional[nn.Module] = None
-        self.loads = loads  # make_shard's: the ranks' other work, which this layer's split evens out
 
     def adapted(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y = x W^T plus the attached adapters' x A^T B^T (a column-parallel layer's: all of it on this rank)."""
@@ -170,7 +140,7 @@ class ParallelWeight(nn.Module):
 
     def split_(self, dim: int, size: int, parts: int, index: int, align: int) -> None:
         """Re-cut this rank's slice (on the meta device, before loading), e.g. aligned to quantization groups."""
-        self.weight_shard = make_shard(dim, size, parts, index, align, self.loads)
+        self.weight_shard = make_shard(dim, size, parts, index, align)
         shape = list(self.weight.shape)
         shape[dim] = self.weight_shard.local_size
         self.weight = nn.Parameter(torch.empty(shape, device=self.weight.device), requires_grad=False)
@@ -179,19 +149,17 @@ class ParallelWeight(nn.Module):
 class ColumnParallelLinear(ParallelWeight):
     """y = x W^T (+ b) with W split by output rows, and the bias b with them. `parts` < world size replicates
     partitions (parts=1: the whole W on every rank); `shard` gives this rank's rows instead (attention heads:
-    `head_placement`); `loads` evens out the ranks' other work (make_shard: a feed-forward beside uneven heads)."""
+    `head_placement`)."""
 
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, gather_output: bool = False,
-                 parts: Optional[int] = None, align: int = 1, bias: bool = False, shard: Optional[Shard] = None,
-                 loads: Optional[Sequence[float]] = None):
-        super().__init__(loads)
+                 parts: Optional[int] = None, align: int = 1, bias: bool = False, shard: Optional[Shard] = None):
+        super().__init__()
         self.parts = parts or ctx.world_size
-        if gather_output and (self.parts != ctx.world_size or shard is not None or loads is not None):
+        if gather_output and (self.parts != ctx.world_size or shard is not None):
             raise ValueError("gather_output needs one even partition per rank")
         self.ctx, self.out_features, self.gather_output = ctx, out_features, gather_output
         self.fixed_split = shard is not None
-        self.weight_shard = shard or make_shard(0, out_features, self.parts, partition_index(ctx, self.parts), align,
-                                                loads)
+        self.weight_shard = shard or make_shard(0, out_features, self.parts, partition_index(ctx, self.parts), align)
         self.weight = nn.Parameter(torch.empty(self.weight_shard.local_size, in_features), requires_grad=False)
         self.register_parameter("bias", None)
         if bias:
@@ -290,15 +258,14 @@ def repack_int4_for_int8x(model: nn.Module) -> int:
 
 class RowParallelLinear(ParallelWeight):
     """y = x W^T with W split by input columns; x arrives already split, partial products are summed. `shard`
-    gives this rank's columns instead of an even split (attention heads: `head_placement`); `loads` evens out the
-    ranks' other work (make_shard)."""
+    gives this rank's columns instead of an even split (attention heads: `head_placement`)."""
 
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, align: int = 1,
-                 shard: Optional[Shard] = None, loads: Optional[Sequence[float]] = None):
-        super().__init__(loads)
+                 shard: Optional[Shard] = None):
+        super().__init__()
         self.ctx, self.in_features = ctx, in_features
         self.fixed_split = shard is not None
-        self.weight_shard = shard or make_shard(1, in_features, ctx.world_size, ctx.rank, align, loads)
+        self.weight_shard = shard or make_shard(1, in_features, ctx.world_size, ctx.rank, align)
         self.weight = nn.Parameter(torch.empty(out_features, self.weight_shard.local_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ and resharding need nothing LoRA-specific. With rank <= 0 and no bias these are 
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -37,14 +37,14 @@ class ReplicatedLinear(nn.Module):
 class LoraColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, gather_output: bool = False,
                  parts: Optional[int] = None, *, lora_rank: int = 0, bias: bool = False,
-                 shard: Optional[Shard] = None, loads: Optional[Sequence[float]] = None):
-        super().__init__(in_features, out_features, ctx, gather_output, parts, bias=bias, shard=shard, loads=loads)
+                 shard: Optional[Shard] = None):
+        super().__init__(in_features, out_features, ctx, gather_output, parts, bias=bias, shard=shard)
         self.lora_a: Optional[nn.Module] = None
         self.lora_b: Optional[nn.Module] = None
         if lora_rank > 0:
             self.lora_a = ReplicatedLinear(in_features, lora_rank)
             # the same rows as W (its heads, KV heads replicated alike when ranks outnumber them), never gathered
-            self.lora_b = ColumnParallelLinear(lora_rank, out_features, ctx, parts=parts, shard=shard, loads=loads)
+            self.lora_b = ColumnParallelLinear(lora_rank, out_features, ctx, parts=parts, shard=shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.biased(self.project(x))  # (..., local outputs)
@@ -61,13 +61,13 @@ class LoraColumnParallelLinear(ColumnParallelLinear):
 
 class LoraRowParallelLinear(RowParallelLinear):
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, *, lora_rank: int = 0,
-                 bias: bool = False, shard: Optional[Shard] = None, loads: Optional[Sequence[float]] = None):
-        super().__init__(in_features, out_features, ctx, shard=shard, loads=loads)
+                 bias: bool = False, shard: Optional[Shard] = None):
+        super().__init__(in_features, out_features, ctx, shard=shard)
         self.lora_a: Optional[nn.Module] = None
         self.lora_b: Optional[nn.Module] = None
         if lora_rank > 0:
             # Its weight (rank, local inputs) is used below; its partial products are reduced together with W's.
-            self.lora_a = RowParallelLinear(in_features, lora_rank, ctx, shard=shard, loads=loads)  # W's columns too
+            self.lora_a = RowParallelLinear(in_features, lora_rank, ctx, shard=shard)  # W's columns too
             self.lora_b = ReplicatedLinear(lora_rank, out_features)
         self.register_parameter("bias", None)
         if bias:  # replicated (no shard): added once, after the sum over ranks

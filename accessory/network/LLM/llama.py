@@ -21,7 +21,7 @@ from accessory.network.components import (PLAIN, Attention, FeedForward, KVCache
                                         window_prefill)
 from accessory.network.vision import ImagePlacement
 from accessory.parallel import (AdapterRouting, ColumnParallelLinear, ParallelContext, ParallelEmbedding,
-                                attention_loads, head_placement)
+                                head_placement)
 from accessory.parallel.quantized_weight import QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -264,8 +264,7 @@ class TransformerBlock(nn.Module):
         if args.experts is not None:
             self.feed_forward = MoEFeedForward(args.dim, args.ffn_hidden_dim, args.experts, ctx, args.hidden_act)
         else:
-            loads = attention_loads(args.n_heads, args.n_kv_heads, args.head_dim, ctx.world_size)
-            self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, ctx, linears, args.hidden_act, loads)
+            self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, ctx, linears, args.hidden_act)
         self.attention_norm, self.ffn_norm = norm(), norm()
         self.post_attention_norm = self.post_ffn_norm = None
         if args.sandwich_norms:

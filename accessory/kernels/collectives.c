@@ -202,16 +202,6 @@ static Gil gil_api(void) {
 
 static int sleep_for(const Group *g, int rank, uint32_t round, double timeout_s);
 
-static int spin_or_sleep(const Group *g, int rank, uint32_t round, double timeout_s, double start);
-
-static int wait_for(Group *g, int rank, uint32_t round, double timeout_s) {
-    if (reached(&header(g)->ranks[rank], round)) return 0;
-    const double start = now_s();
-    const int failed = spin_or_sleep(g, rank, round, timeout_s, start);
-    g->waited_s += now_s() - start;
-    return failed;
-}
-
 static int spin_or_sleep(const Group *g, int rank, uint32_t round, double timeout_s, double start) {
     RankState *s = &header(g)->ranks[rank];
     const double until = start + g->spin_ns * 1e-9;
@@ -227,6 +217,14 @@ static int spin_or_sleep(const Group *g, int rank, uint32_t round, double timeou
     void *thread = gil.held && gil.release && gil.restore && gil.held() ? gil.release() : NULL;
     const int failed = sleep_for(g, rank, round, timeout_s);
     if (thread != NULL) gil.restore(thread);
+    return failed;
+}
+
+static int wait_for(Group *g, int rank, uint32_t round, double timeout_s) {
+    if (reached(&header(g)->ranks[rank], round)) return 0;
+    const double start = now_s();
+    const int failed = spin_or_sleep(g, rank, round, timeout_s, start);
+    g->waited_s += now_s() - start;
     return failed;
 }
 

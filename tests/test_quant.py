@@ -141,6 +141,29 @@ def test_decode_attention_kernel_equals_sdpa(length):
     assert (kernel - reference).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_small_step_kernels_equal_the_torch_expressions(offset):
+    """RMSNorm (Meta's, and Gemma's with its +1 offset) and the interleaved rotary embedding, as eager steps run
+    them on the CPU: the same values as the torch expressions a compiled step fuses (the portable path), on a strided
+    view (q, a slice of the fused qkv product), one rotation for every row, and a prefill's many tokens."""
+    from accessory.kernels import cpu_kernels, dispatch
+
+    assert cpu_kernels()  # else both calls are the torch expressions
+    generator = torch.Generator().manual_seed(int(offset))
+    qkv = torch.randn(3, 5, 15 * 64, generator=generator) * 4  # 3 rows, 5 tokens: 9 query heads and 2 x 3 KV heads
+    q = qkv[..., :9 * 64].view(3, 5, 9, 64)
+    weight = torch.randn(64, generator=generator)
+    for x, rotations in [(q, torch.randn(3, 5, 32, 2, generator=generator)),
+                         (q, torch.randn(1, 5, 32, 2, generator=generator)),
+                         (torch.randn(1, 300, 3, 64, generator=generator), torch.randn(1, 300, 32, 2))]:
+        kernel = dispatch.rms_norm(x, weight, 1e-6, offset), dispatch.apply_rope(x, rotations)
+        with dispatch.portable():
+            reference = dispatch.rms_norm(x, weight, 1e-6, offset), dispatch.apply_rope(x, rotations)
+        for got, want in zip(kernel, reference):
+            assert got.shape == want.shape == x.shape and got.dtype == torch.float32
+            assert (got - want).abs().max() <= 1e-6 * want.abs().max()  # a rounding or two (FMA in the kernel)
+
+
 @pytest.mark.parametrize("fmt,levels", [("int8", 127), ("int4", 15)])
 def test_quantization_error_is_half_a_step(fmt, levels):
     from accessory.quant.formats import GROUP, dequantize, quantize

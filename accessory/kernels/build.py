@@ -57,6 +57,8 @@ def cpu_kernels() -> bool:
                 lambda x, q, scale, minimum, outputs: x.new_empty(x.shape[0], outputs))
             torch.library.register_fake("accessory::linear_cpu")(lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
             torch.library.register_fake("accessory::decode_attention_cpu")(lambda q, k, v, pos: q.new_empty(q.shape))
+            torch.library.register_fake("accessory::rms_norm_cpu")(lambda x, w, eps, offset: x.new_empty(x.shape))
+            torch.library.register_fake("accessory::rotary_cpu")(lambda x, rotations: x.new_empty(x.shape))
             torch.library.register_fake("accessory::shm_all_reduce")(lambda x, group, timeout_s: torch.empty_like(x))
             torch.library.register_fake("accessory::shm_all_gather")(
                 lambda x, group, world, timeout_s: x.new_empty(world, *x.shape))

@@ -1043,5 +1043,48 @@ void accessory_decode_attention(const float *q, const float *k, const float *v, 
             }
 }
 
+/* ---- the small steps of a layer ---------------------------------------------------------------------------------
+
+   An eager step runs RMSNorm as eight torch operations and a rotary embedding as about fifteen, each one dispatched
+   from Python at a few microseconds for a few hundred values: at batch 1 they cost more than their arithmetic. One
+   call each does the same sums. (A compiled step does not call these: its compiler fuses the torch expressions.) */
+
+/* y = x / sqrt(mean(x^2) + eps) * (offset + w), each of `rows` rows of `dim` values. The sum of squares in double,
+   eight at a time: as exact as float32's own rounding of the result. */
+void accessory_rms_norm(const float *x, int64_t rows, int64_t dim, const float *w, float eps, float offset,
+                        float *y) {
+#pragma omp parallel for schedule(static) if (rows * dim >= (1 << 18))
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float *yr = y + r * dim;
+        double sums[8] = {0};
+        int64_t i = 0;
+        for (; i + 8 <= dim; i += 8)
+            for (int j = 0; j < 8; j++) sums[j] += (double)xr[i + j] * xr[i + j];
+        for (; i < dim; i++) sums[0] += (double)xr[i] * xr[i];
+        const double sum = ((sums[0] + sums[1]) + (sums[2] + sums[3])) + ((sums[4] + sums[5]) + (sums[6] + sums[7]));
+        const float inverse = (float)(1.0 / sqrt(sum / (double)dim + (double)eps));
+        for (i = 0; i < dim; i++) yr[i] = xr[i] * inverse * (offset + w[i]);
+    }
+}
+
+/* Meta's interleaved rotary embedding: each pair (x[2i], x[2i+1]) of each head of token t turned by its angle,
+   (x0 cos - x1 sin, x0 sin + x1 cos). x, y (tokens, heads, D); rotations (tokens, D / 2, 2), each (cos, sin). */
+void accessory_rotary(const float *x, int64_t tokens, int64_t heads, int64_t D, const float *rotations, float *y) {
+#pragma omp parallel for schedule(static) if (tokens * heads * D >= (1 << 18))
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *turn = rotations + t * D;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xh = x + (t * heads + h) * D;
+            float *yh = y + (t * heads + h) * D;
+            for (int64_t i = 0; i < D / 2; i++) {
+                const float x0 = xh[2 * i], x1 = xh[2 * i + 1], c = turn[2 * i], s = turn[2 * i + 1];
+                yh[2 * i] = x0 * c - x1 * s;
+                yh[2 * i + 1] = x0 * s + x1 * c;
+            }
+        }
+    }
+}
+
 /* Which instruction set this build uses, for logs and benchmark tables. */
 const char *accessory_kernels_isa(void) { return ISA; }

@@ -14,6 +14,9 @@ torch path that computes the same values by other arithmetic.
   cannot change the output. More rows take the exact paths above.
 - `decode_attention`: a few queries per cache row over that row's own cached positions. The kernel on the CPU with
   float32 caches; elsewhere, SDPA over the first `columns` columns with the position mask.
+- `rms_norm` and `apply_rope`: a layer's small steps. In eager steps on the CPU in float32, one kernel call each
+  (cpu_kernels.c) instead of eight and fifteen torch operations, whose dispatch costs more than their arithmetic at
+  decode's few rows. A compiled step takes the torch expressions, which its compiler fuses with their neighbours.
 - `grouped_experts`: a mixture of experts' MLPs, one product per chosen expert on its tokens (eager, and compiled
   on the CPU as an operator); `expert_product`: one expert of a stack chosen by a tensor id (the GPU's static step).
 
@@ -124,6 +127,35 @@ def _dequantized_product(x, fmt, q, scale, minimum) -> torch.Tensor:
                  if part is not None}
         outs.append(F.linear(x, dequantize(parts, fmt, x.dtype)))
     return torch.cat(outs, dim=-1)
+
+
+def _small_step_kernel(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 and not torch.compiler.is_compiling() and _kernels_here(x.device)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """x / rms(x) * weight over the last dimension; with `offset` (Gemma's 1.0), x / rms(x) * (offset + weight)."""
+    if _small_step_kernel(x) and weight.dtype == torch.float32:
+        return torch.ops.accessory.rms_norm_cpu(x, weight, eps, offset)
+    # Normalise in float32 (bf16 loses too much in the mean of squares). Meta scales in the input dtype; Gemma
+    # scales in float32 by (1 + w), which in bf16 would round 1 + w away.
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (normed * (offset + weight.float())).type_as(x)
+    return normed.type_as(x) * weight
+
+
+def apply_rope(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """Rotate Meta-style interleaved pairs (x[2i], x[2i+1]) by angle a_i: (x0 cos - x1 sin, x0 sin + x1 cos).
+
+    x: (B, L, H, D); rotations: (B or 1, L, D / 2, 2) from `rope_table`."""
+    if _small_step_kernel(x) and rotations.dtype == torch.float32:
+        return torch.ops.accessory.rotary_cpu(x, rotations)
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)  # (B, L, H, D/2, 2)
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    cos, sin = rotations[:, :, None, :, 0], rotations[:, :, None, :, 1]  # (B, L, 1, D/2)
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(3).type_as(x)
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}

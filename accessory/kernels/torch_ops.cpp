@@ -1,5 +1,5 @@
 // The CPU kernels of cpu_kernels.c as torch operators (accessory::linear_cpu, quantized_linear_cpu,
-// int4_int8x_linear_cpu, decode_attention_cpu),
+// int4_int8x_linear_cpu, decode_attention_cpu, rms_norm_cpu, rotary_cpu),
 // so that eager code and torch.compile's generated code both reach them through the dispatcher at C++ cost.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -22,6 +22,9 @@ int accessory_linear_int4_int8x(const float *x, int64_t M, int64_t K, const uint
 int accessory_int4_int8x(void);
 void accessory_decode_attention(const float *q, const float *k, const float *v, const int64_t *positions, int64_t B,
                                 int64_t L, int64_t H, int64_t Hkv, int64_t S, int64_t D, float *out);
+void accessory_rms_norm(const float *x, int64_t rows, int64_t dim, const float *w, float eps, float offset,
+                        float *y);
+void accessory_rotary(const float *x, int64_t tokens, int64_t heads, int64_t D, const float *rotations, float *y);
 int accessory_shm_all_reduce(int handle, const void *in, void *out, int64_t n, int dtype, double timeout_s);
 int accessory_shm_all_gather(int handle, const void *in, void *out, int64_t bytes, double timeout_s);
 const char *accessory_shm_error(void);
@@ -122,6 +125,33 @@ static at::Tensor decode_attention_cpu(const at::Tensor &q, const at::Tensor &k,
     return out;
 }
 
+// x (..., dim) float32, any strides; weight (dim,) float32.
+static at::Tensor rms_norm_cpu(const at::Tensor &x, const at::Tensor &weight, double eps, double offset) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && weight.dim() == 1 &&
+                x.dim() >= 1 && x.size(-1) == weight.size(0), "rms_norm_cpu: x (..., dim) and weight (dim,) float32");
+    const at::Tensor in = x.contiguous(), w = weight.contiguous();
+    at::Tensor y = at::empty_like(in);
+    const int64_t dim = w.size(0);
+    accessory_rms_norm(in.data_ptr<float>(), dim ? in.numel() / dim : 0, dim, w.data_ptr<float>(), (float)eps,
+                       (float)offset, y.data_ptr<float>());
+    return y;
+}
+
+// x (B, L, H, D) float32, any strides; rotations (B or 1, L, D / 2, 2) float32 (rope_table's rows).
+static at::Tensor rotary_cpu(const at::Tensor &x, const at::Tensor &rotations) {
+    TORCH_CHECK(x.dim() == 4 && rotations.dim() == 4 && x.scalar_type() == at::kFloat &&
+                rotations.scalar_type() == at::kFloat && x.size(3) % 2 == 0 &&
+                (rotations.size(0) == 1 || rotations.size(0) == x.size(0)) && rotations.size(1) == x.size(1) &&
+                rotations.size(2) * 2 == x.size(3) && rotations.size(3) == 2,
+                "rotary_cpu: x (B, L, H, D) and rotations (B or 1, L, D / 2, 2) float32");
+    const at::Tensor in = x.contiguous();
+    const at::Tensor turns = rotations.expand({x.size(0), x.size(1), x.size(3) / 2, 2}).contiguous();
+    at::Tensor y = at::empty_like(in);
+    accessory_rotary(in.data_ptr<float>(), x.size(0) * x.size(1), x.size(2), x.size(3), turns.data_ptr<float>(),
+                     y.data_ptr<float>());
+    return y;
+}
+
 // collectives.c's all-reduce and all-gather between the ranks of one machine, as operators so that a compiled step
 // calls them like the products (parallel/shared_memory.py owns the groups; `group` is its handle in this process).
 static int shm_dtype(const at::Tensor &x) {
@@ -162,6 +192,8 @@ TORCH_LIBRARY(accessory, m) {
     m.def("int4_int8x_linear_cpu(Tensor x, Tensor q, Tensor scale, Tensor minimum, int outputs) -> Tensor");
     m.def("linear_cpu(Tensor x, Tensor w) -> Tensor");
     m.def("decode_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor positions) -> Tensor");
+    m.def("rms_norm_cpu(Tensor x, Tensor weight, float eps, float offset) -> Tensor");
+    m.def("rotary_cpu(Tensor x, Tensor rotations) -> Tensor");
     m.def("shm_all_reduce(Tensor x, int group, float timeout_s) -> Tensor");
     m.def("shm_all_gather(Tensor x, int group, int world, float timeout_s) -> Tensor");
 }
@@ -171,6 +203,8 @@ TORCH_LIBRARY_IMPL(accessory, CPU, m) {
     m.impl("int4_int8x_linear_cpu", &int4_int8x_linear_cpu);
     m.impl("linear_cpu", &linear_cpu);
     m.impl("decode_attention_cpu", &decode_attention_cpu);
+    m.impl("rms_norm_cpu", &rms_norm_cpu);
+    m.impl("rotary_cpu", &rotary_cpu);
     m.impl("shm_all_reduce", &shm_all_reduce);
     m.impl("shm_all_gather", &shm_all_gather);
 }

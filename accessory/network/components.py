@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from accessory.errors import ConfigError
-from accessory.kernels import ACTIVATIONS, decode_attention, expert_product, grouped_experts
+from accessory.kernels import ACTIVATIONS, apply_rope, decode_attention, expert_product, grouped_experts, rms_norm
 from accessory.parallel import (ColumnParallelLinear, ExpertLinear, FusedColumns, ParallelContext, RowParallelLinear,
                                 expert_placement, head_placement, head_shard)
 from accessory.quant.formats import GROUP, PARTS, block_size
@@ -42,13 +42,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 (bf16 loses too much in the mean of squares). Meta scales in the input dtype; Gemma
-        # scales in float32 by (1 + w), which in bf16 would round 1 + w away.
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (normed * (self.offset + self.weight.float())).type_as(x)
-        return normed.type_as(x) * self.weight
+        return rms_norm(x, self.weight, self.eps, self.offset)
 
 
 ROPE_TYPES = ("linear", "llama3", "yarn")
@@ -129,16 +123,6 @@ def rope_table(freqs: torch.Tensor, max_seq_len: int, device: torch.device, scal
     Real-valued (not complex), so the compiler can fuse it."""
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
     return (torch.stack((angles.cos(), angles.sin()), dim=-1) * scale).to(device)
-
-
-def apply_rope(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
-    """Rotate Meta-style interleaved pairs (x[2i], x[2i+1]) by angle a_i: (x0 cos - x1 sin, x0 sin + x1 cos).
-
-    x: (B, L, H, D); rotations: (B or 1, L, D / 2, 2) from `rope_table`."""
-    pairs = x.float().reshape(*x.shape[:-1], -1, 2)  # (B, L, H, D/2, 2)
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    cos, sin = rotations[:, :, None, :, 0], rotations[:, :, None, :, 1]  # (B, L, 1, D/2)
-    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(3).type_as(x)
 
 
 class KVCache(nn.Module):

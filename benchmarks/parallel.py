@@ -6,7 +6,8 @@ at 1 rank) that loads the model, generates once to warm up (and compile), then t
 `--new-tokens` greedy tokens per row at each batch size (stop tokens off, so every row runs the whole way; the
 median of `--repeats`). Each rank runs `--threads-per-rank` threads (OMP_NUM_THREADS); the rows `1 process, T
 threads` are the peers: one rank with one thread, and one process with as many threads as the ranks have in all.
-`bytes/token/rank` is what a rank sent during the timed calls, over the tokens: what it wrote into the shared-memory
+`bytes/token/rank` is what a rank sent per decoded token: what a timed call sent less what a one-token call (the
+prompts' prefill and its sample) sends, over the decoded tokens. Sent is what a rank wrote into the shared-memory
 segment for the other ranks, or through gloo what the network interfaces carried (loopback here; the link between
 the two machines for `--two-machines`) over the machine's ranks. `--transport gloo` sets ACCESSORY_TRANSPORT=gloo:
 every collective through gloo, as before shared memory.
@@ -57,6 +58,8 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.new_tokens < 2:
+        p.error("--new-tokens must be at least 2: bytes/token/rank counts the decoded tokens after the first")
     if args.worker == "decode":
         return decode_worker(args)
     if args.worker == "collectives":
@@ -147,6 +150,9 @@ def decode_worker(args) -> None:
     for batch in args.batch_sizes:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
         model.generate(prompts, max_gen_len=args.new_tokens)  # warm-up, compilation
+        before = bytes_sent(model.ctx)
+        model.generate(prompts, max_gen_len=1)  # the prefill alone: what decoding sends is the rest
+        prefill_sent = bytes_sent(model.ctx) - before
         seconds, sent, waits = [], [], []
         for _ in range(args.repeats):
             if dist.is_initialized():
@@ -164,7 +170,7 @@ def decode_worker(args) -> None:
                       "ranks": model.ctx.world_size, "threads": torch.get_num_threads(),
                       "transport": "shared memory" if model.ctx.local is not None else "gloo" if dist.is_initialized()
                       else "-", "tok_s": tokens / statistics.median(seconds), "all_seconds": seconds,
-                      "bytes_per_token_rank": statistics.median(sent) / tokens,
+                      "bytes_per_token_rank": (statistics.median(sent) - prefill_sent) / (tokens - batch),
                       "waiting_share_by_rank": [round(w, 3) for w in waiting]}
             print(MARK + json.dumps(result), flush=True)
     if dist.is_initialized():

@@ -29,6 +29,7 @@ def params_of_rows():
 
 
 CONSTRAINED = 3  # this row's grammar allows even ids only
+TARGETS = [0, 999, 499, 500, 333, 334, 667, 668, 17]  # a prompt's next tokens at 9 positions: slices' ends
 
 
 def step_logits(step: int) -> torch.Tensor:
@@ -51,7 +52,8 @@ def draw_in_slices() -> dict:
 
     from accessory.generation.sampling import sample
     from accessory.generation.scheduler import token_logprob
-    from accessory.generation.vocab_slices import RowRule, VocabSlice
+    from accessory.generation.sampling import MAX_LOGPROBS
+    from accessory.generation.vocab_slices import RowRule, VocabSlice, slice_logprobs
     from accessory.parallel import ParallelContext
 
     ctx = ParallelContext.from_group(None) if dist.is_initialized() else ParallelContext(None, 0, 1, 0)
@@ -70,8 +72,7 @@ def draw_in_slices() -> dict:
     generators = [torch.Generator().manual_seed(100 + row) for row in range(len(params))]
     steps = []
     for step in range(STEPS):
-        local = step_logits(step)[..., start:start + size]
-        local = torch.nn.functional.pad(local, (0, size - local.shape[-1]))  # the last slice's padded tail
+        local = local_slice(step_logits(step), start, size)
         rounds.append([])
         merged = vocab.reduce(local, [()] * len(params), even_ids_mask() if ctx.is_source else None)
         chosen = []
@@ -83,7 +84,24 @@ def draw_in_slices() -> dict:
         chosen = ctx.broadcast_object(chosen)  # the source rank's, as the plans carry them
         vocab.observe([((token,), 0) for token, _ in chosen])
         steps.append(chosen)
-    return {"steps": steps, "rounds": rounds}
+    prompt = local_slice(step_logits(STEPS)[:, 0], start, size)  # 9 positions of a prompt scored (echo)
+    scores = slice_logprobs(ctx, prompt, vocab.tokens, torch.tensor(TARGETS), MAX_LOGPROBS)
+    return {"steps": steps, "rounds": rounds, "prompt": scores}
+
+
+def local_slice(logits: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    """A rank's columns start..start + size of logits (..., VOCAB), the last slice's tail padded."""
+    local = logits[..., start:start + size]
+    return torch.nn.functional.pad(local, (0, size - local.shape[-1]))
+
+
+def check_prompt_logprobs(scores) -> None:
+    """Against log_softmax over the whole vocabulary, in float64."""
+    logprobs = torch.log_softmax(step_logits(STEPS)[:, 0].double(), dim=-1)
+    assert scores.chosen.double().tolist() == pytest.approx(logprobs[range(len(TARGETS)), TARGETS].tolist(), abs=1e-5)
+    best = logprobs.topk(20, dim=-1)
+    assert scores.top_ids.tolist() == best.indices.tolist()
+    assert torch.allclose(scores.top_logprobs.double(), best.values, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +111,10 @@ def whole():
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_slices_draw_the_tokens_and_log_probs_of_the_whole_vocabulary(whole, world):
+    """And a prompt's log-probabilities (echo), from records of 42 floats a position and rank."""
     for rank, result in enumerate(run_ranks(world, draw_in_slices)):
         assert not isinstance(result, Exception), result.rank_traceback
+        check_prompt_logprobs(result["prompt"])
         for step, (mine, theirs) in enumerate(zip(result["steps"], whole["steps"])):
             assert [token for token, _ in mine] == [token for token, _ in theirs], f"rank {rank}, step {step}"
             for (_, logprob), (_, expected) in zip(mine, theirs):
@@ -109,6 +129,7 @@ def test_one_slice_against_hand_computed_values(whole):
     even; only the rows that keep every token, or more than 64, made the records wider than 64."""
     from accessory.generation.sampling import Penalties
 
+    check_prompt_logprobs(whole["prompt"])
     params = params_of_rows()
     penalties = Penalties(params[1], PROMPT, range(VOCAB), torch.device("cpu"))
     for step, chosen in enumerate(whole["steps"]):
@@ -146,7 +167,8 @@ def test_a_batch_that_keeps_few_tokens_sends_one_small_round():
 def test_a_sampled_row_draws_from_its_kept_tokens_in_proportion():
     """20000 draws of one top-k / min-p row against the softmax over the tokens they keep (chi-square, alpha 1e-4)."""
     from accessory.generation.sampling import SamplingParams, sample
-    from accessory.generation.vocab_slices import RowRule, VocabSlice
+    from accessory.generation.sampling import MAX_LOGPROBS
+    from accessory.generation.vocab_slices import RowRule, VocabSlice, slice_logprobs
     from accessory.parallel import ParallelContext
 
     params = SamplingParams(temperature=0.8, top_k=12, min_p=0.01)

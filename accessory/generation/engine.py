@@ -237,7 +237,7 @@ class Engine:
                 if events and followed:
                     yield events
                 if scored:
-                    scheduler.receive_prompt_logits(scored)
+                    scheduler.receive_prompt_logprobs(scored)
                 step += 1
         finally:
             if self.model.cache_nbytes > self.settings.keep_cache_bytes:

@@ -28,7 +28,8 @@ import torch.fx.experimental._config as fx_config
 from accessory.generation.prefix import RetainedRows, plan_reuse, waves
 from accessory.generation.scheduler import Plan
 from accessory.generation.speculative import RowBudget, accepted_count
-from accessory.generation.vocab_slices import VocabSlice
+from accessory.generation.sampling import MAX_LOGPROBS
+from accessory.generation.vocab_slices import PositionLogprobs, VocabSlice, slice_logprobs
 from accessory.network.components import Segment, decode_mask
 from accessory.network.vision import image_key
 
@@ -62,9 +63,9 @@ class ModelRunner:
         return min(rows, settings.prefix_cache_bytes // self.model.cache_row_nbytes(columns))
 
     @torch.inference_mode()
-    def step(self, plan: Plan) -> tuple[Optional[torch.Tensor], list[torch.Tensor]]:
+    def step(self, plan: Plan) -> tuple[Optional[torch.Tensor], list[PositionLogprobs]]:
         """Run `plan`: this rank's logits (rows after the step, L positions, its slice of the vocabulary), None if
-        no rows run; and the logits (length, vocab) of each prompt the plan scores, on the source rank (else [])."""
+        no rows run; and the log-probabilities of each prompt the plan scores, on the source rank (else [])."""
         scored = [self._score(tokens) for tokens in plan.score]
         self._settle(plan.results)
         self.vocab.observe(plan.results)
@@ -92,11 +93,13 @@ class ModelRunner:
 
     # ---- 1. scoring -------------------------------------------------------------------------------------------------
 
-    def _score(self, tokens: tuple[int, ...]) -> torch.Tensor:
-        """The logits of every position of `tokens`, on every rank (a forward pass of its own, nothing cached:
-        reused prefixes have no logits)."""
+    def _score(self, tokens: tuple[int, ...]) -> PositionLogprobs:
+        """Each token's log-probability after those before it, and the MAX_LOGPROBS most likely there (a forward
+        pass of its own, nothing cached: reused prefixes have no logits); from the ranks' vocabulary slices."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
-        return self.model.forward(ids)[0, :, :self.model.args.vocab_size]
+        local = self.model.forward(ids, gather=False)[0, :-1]
+        return slice_logprobs(self.engine.ctx, local, self.vocab.tokens, ids[0, 1:],
+                              min(MAX_LOGPROBS, self.engine.vocab_size))
 
     # ---- 2. compaction ----------------------------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from accessory.generation.constraints import ConstraintError
 from accessory.generation.requests import FINISH_CODES, FINISH_REASONS, Event, Request, TokenLogprob
 from accessory.generation.sampling import NAN_LOGITS, Candidates, SamplingError, sample
 from accessory.generation.speculative import accepted_count
-from accessory.generation.vocab_slices import Merged, RowRule
+from accessory.generation.vocab_slices import Merged, PositionLogprobs, RowRule
 
 log = logging.getLogger(__name__)
 
@@ -144,11 +144,11 @@ class Scheduler:
                     break
         return masks
 
-    def receive_prompt_logits(self, scored: list[torch.Tensor]) -> None:
-        """The logits (prompt length, vocab) of the prompts the last plan scored, in its order; their log-probs go
-        out with each request's next event."""
-        for request, logits in zip(self.scoring, scored):
-            request.prompt_logprobs = prompt_logprobs(logits, request.tokens, request.params.prompt_logprobs)
+    def receive_prompt_logprobs(self, scored: list[PositionLogprobs]) -> None:
+        """The log-probabilities of the prompts the last plan scored, in its order; they go out with each request's
+        next event."""
+        for request, scores in zip(self.scoring, scored):
+            request.prompt_logprobs = prompt_logprobs(scores, request.tokens, request.params.prompt_logprobs)
 
     def _read_inbox(self, events: list, wait: bool) -> None:
         deadline = time.monotonic() + (self.idle_wait_s if wait else 0.0)
@@ -267,10 +267,13 @@ class Follower:
         return [extras.pop(e.id, e) for e in events] + list(extras.values())
 
 
-def prompt_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> tuple[TokenLogprob, ...]:
-    """Each prompt token's log-probability given those before it (the first's is None: it has no context), from
-    the prompt's logits (len(tokens), vocab)."""
-    return (TokenLogprob(tokens[0], None), *logprobs_of(logits[:-1], tokens[1:], top))
+def prompt_logprobs(scores: PositionLogprobs, tokens: list[int], top: int) -> tuple[TokenLogprob, ...]:
+    """Each prompt token's log-probability given those before it, with the `top` most likely there (the first
+    token's is None: it has no context), from `scores` at the prompt's positions but the last."""
+    chosen, ids, values = (scores.chosen.tolist(), scores.top_ids[:, :top].tolist(),
+                           scores.top_logprobs[:, :top].tolist())
+    after = [TokenLogprob(token, chosen[i], tuple(zip(ids[i], values[i]))) for i, token in enumerate(tokens[1:])]
+    return (TokenLogprob(tokens[0], None), *after)
 
 
 def token_logprob(candidates: Candidates, token: int, top: int) -> TokenLogprob:
@@ -279,15 +282,6 @@ def token_logprob(candidates: Candidates, token: int, top: int) -> TokenLogprob:
     value = candidates.raw[(candidates.ids == token).nonzero()[0, 0]]
     best = tuple(zip(candidates.top_ids[:top].tolist(), (candidates.top_values[:top] - candidates.raw_lse).tolist()))
     return TokenLogprob(token, float(value - candidates.raw_lse), best)
-
-
-def logprobs_of(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
-    """Row i's log-probability of tokens[i] under logits (N, vocab), with the `top` most likely of that row."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
-    best = logprobs.topk(top, dim=-1) if top else None
-    return [TokenLogprob(token, value, tuple(zip(best.indices[i].tolist(), best.values[i].tolist()))
-                         if best is not None else ()) for i, (token, value) in enumerate(zip(tokens, chosen))]
 
 
 def _allows(bits: torch.Tensor, token: int) -> bool:

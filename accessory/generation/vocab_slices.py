@@ -11,6 +11,9 @@ output projection), with only what sampling needs crossing ranks. Each step, on 
    flat distribution, or sampling from every token: top_p 1, top_k 0, min_p 0) makes every rank, which sees the
    same, send more: k x 8, up to its whole slice.
 
+A prompt's log-probabilities (OpenAI's `echo` with `logprobs`) cross ranks the same way (`slice_logprobs`): each
+position's log-sum-exp, the next token's logit and the most likely logits of each rank's slice.
+
 The source rank's scheduler samples from the merged `Candidates` (sampling.py). A greedy row's record is 3 floats
 (k = 1); a sampled row's k is max(top_k, FIRST_CANDIDATES). At one rank the same code runs on the whole vocabulary,
 so sampling does not depend on the rank count. Every rank knows each row's sampling (`RowRule`, sent once when the
@@ -213,3 +216,37 @@ def slice_argmax(ctx, local: torch.Tensor, tokens: range) -> list[int]:
     best = ctx.all_gather(torch.stack([values, (index + tokens.start).float()], dim=-1)[None], dim=0)
     rank = best[..., 0].max(dim=0).indices  # the first rank holding a row's largest: its lowest id
     return best[..., 1].gather(0, rank[None])[0].long().tolist()
+
+
+@dataclass(frozen=True)
+class PositionLogprobs:
+    """Log-probabilities at N positions of a sequence: each position's next token's, and the most likely tokens'
+    (most likely first; ids as the vocabulary's)."""
+    chosen: torch.Tensor  # (N,)
+    top_ids: torch.Tensor  # (N, top) int64
+    top_logprobs: torch.Tensor  # (N, top)
+
+
+def slice_logprobs(ctx, local: torch.Tensor, tokens: range, targets: torch.Tensor, top: int) -> PositionLogprobs:
+    """Collective: at each of N positions, the log-probability of targets[i] and the `top` most likely tokens', under
+    logits of which this rank holds `local` (N, its padded slice) for `tokens`; the same on every rank. What crosses
+    ranks is 2 + 2 * top floats a position: each rank's log-sum-exp, its logit of the target (-inf where another
+    rank holds it), and its `top` largest logits and their ids."""
+    n, device = len(local), local.device
+    mine = local[:, :len(tokens)].float()
+    lse = torch.logsumexp(mine, dim=-1) if len(tokens) else torch.full((n,), float("-inf"), device=device)
+    inside = (targets >= tokens.start) & (targets < tokens.stop)
+    chosen = torch.full((n,), float("-inf"), device=device)
+    chosen[inside] = mine[inside.nonzero()[:, 0], targets[inside] - tokens.start]
+    k = min(top, len(tokens))
+    values, index = mine.topk(k, dim=-1)
+    values = torch.cat([values, torch.full((n, top - k), float("-inf"), device=device)], dim=-1)
+    ids = torch.cat([(index + tokens.start).float(), torch.full((n, top - k), PAD_ID, device=device)], dim=-1)
+    everyone = ctx.all_gather(torch.cat([lse[:, None], chosen[:, None], values, ids], dim=-1)[None], dim=0)
+    total = torch.logsumexp(everyone[..., 0], dim=0)  # (N,)
+    candidates = everyone[..., 2:2 + top].movedim(0, -2).flatten(-2)  # (N, ranks * top)
+    candidate_ids = everyone[..., 2 + top:].movedim(0, -2).flatten(-2)
+    by_id = candidate_ids.argsort(dim=-1, stable=True)  # ties to the lowest id: by id, then stably by value
+    order = by_id.gather(-1, candidates.gather(-1, by_id).argsort(dim=-1, descending=True, stable=True))[:, :top]
+    return PositionLogprobs(everyone[..., 1].max(dim=0).values - total, candidate_ids.gather(-1, order).long(),
+                            candidates.gather(-1, order) - total[:, None])

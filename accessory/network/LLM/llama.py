@@ -509,15 +509,17 @@ class Transformer(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, images: Sequence[ImagePlacement] = ()) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, images: Sequence[ImagePlacement] = (),
+                gather: bool = True) -> torch.Tensor:
         """Float32 logits (B, L, vocab) of whole sequences (B, L) from position 0, on every rank; nothing is
-        cached (scoring). `images`: where images go."""
+        cached (scoring). `images`: where images go. `gather=False`: this rank's slice of the vocabulary only."""
         h = self.embed(tokens, images)
         if self.adapter_routing is not None:
             self.adapter_routing.tokens = None  # scoring runs the base model (and an adapter every token uses)
         for layer, rotations in zip(self.layers, self._rotations(slice(0, tokens.shape[1]))):
             h = layer(h, rotations[None])
-        return self.output.gathered(self._logits(h))
+        logits = self._logits(h)
+        return self.output.gathered(logits) if gather else logits
 
     def prefill(self, tokens: torch.Tensor, segments: list[Segment],
                 images: Sequence[Optional[torch.Tensor]] = ()) -> torch.Tensor:

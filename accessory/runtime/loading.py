@@ -23,7 +23,7 @@ from accessory.kernels import cpu_kernels
 from accessory.network.LLM import model_classes
 from accessory.network.memory import back_with_huge_pages, check_fits, return_freed_memory
 from accessory.parallel import ParallelContext, fairscale_model_parallel_group, init_distributed, share_cores
-from accessory.parallel.context import leave_at_exit
+from accessory.parallel.context import leave_at_exit, warn_if_ranks_crowd_cores
 from accessory.parallel.layers import repack_int4_for_int8x
 from accessory.parallel.watchdog import start_watchdog
 from accessory.text.tokenizer import Tokenizer, find_tokenizer
@@ -76,6 +76,8 @@ def load(pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optio
         leave_at_exit(rank_timeout)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
+    if device.type == "cpu" and not compile:
+        warn_if_ranks_crowd_cores(ctx)
 
     spec = read_spec(folders, llama_type, [str(p) for p in llama_config or ()])
     tokenizer = Tokenizer.from_path(tokenizer_path or found_tokenizer(folders))

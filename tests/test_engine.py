@@ -107,18 +107,45 @@ def traffic_per_step(folder) -> tuple:
     VocabSlice._records = recorded
     model.stop_ids = set()
     events = [(e.text, e.delta) for e in model.stream_generate("The quick brown fox", max_gen_len=100)]
-    return steps, events[-1][0], events
+    return steps, events[-1][0], events, scored_prompt(model)
+
+
+def scored_prompt(model) -> tuple:
+    """A prompt scored for its log-probabilities (echo) as a step scores it: what this rank all-gathered meanwhile,
+    the prompt's length, and the scores against log_softmax of the gathered logits."""
+    from accessory.generation.model_runner import ModelRunner
+    from accessory.parallel import ParallelContext
+
+    prompt = tuple(model.tokenizer.encode("The quick brown fox jumps over the lazy dog", True, False))
+    runner, gathered, all_gather = ModelRunner(model.engine, 1, 64, keep_finished=False), [], ParallelContext.all_gather
+
+    def counted(ctx, x, dim=-1):
+        gathered.append(x.nbytes)
+        return all_gather(ctx, x, dim)
+
+    ParallelContext.all_gather = counted
+    with torch.inference_mode():
+        scores = runner._score(prompt)
+        ParallelContext.all_gather = all_gather
+        logprobs = torch.log_softmax(model.engine.model.forward(torch.tensor([prompt]))[0, :-1].double(), dim=-1)
+    chosen_error = (scores.chosen - logprobs[range(len(prompt) - 1), prompt[1:]]).abs().max().item()
+    top = logprobs.topk(scores.top_ids.shape[1], dim=-1)
+    return sum(gathered), len(prompt), chosen_error, scores.top_ids.tolist() == top.indices.tolist()
 
 
 def test_nothing_sent_per_step_grows_with_the_output_and_every_rank_streams_alike(tiny_checkpoints):
     results = run_ranks(2, traffic_per_step, tiny_checkpoints["mha", 2])
     for rank, result in enumerate(results):
         assert not isinstance(result, Exception), result.rank_traceback
-        steps, text, events = result
-        assert (text, events) == results[0][1:] and len(events) > 10  # no text sent: each rank decodes its tokens
+        steps, text, events, (gathered, length, chosen_error, same_top) = result
+        assert (text, events) == results[0][1:3] and len(events) > 10  # no text sent: each rank decodes its tokens
         decoding = steps[2:-1]  # after the prompt's prefill, before the last plan
         assert len(decoding) >= 95
         assert all(step == decoding[0] for step in decoding), f"rank {rank}: {decoding[0]} vs {decoding[-1]}"
         assert "object" not in decoding[0], "no pickled plan while the batch does not change"
         assert decoding[0]["tensor"] <= 96  # the step header: status, rows, flags, each row's token and end, places
         assert decoding[0]["vocab"] == 8 and "gather" not in decoding[0]  # greedy: the slice's largest and its id
+        # a prompt scored (echo with logprobs): log-probabilities of the gathered logits from records of the slices:
+        # the embedding's all-gather (96 / 2 features a token) and 42 floats a position, not 16000 logits a position
+        assert gathered == length * 48 * 4 + (length - 1) * 42 * 4, f"rank {rank}: {gathered} bytes all-gathered"
+        assert chosen_error < 1e-5 and same_top

@@ -156,7 +156,10 @@ def test_small_step_kernels_equal_the_torch_expressions(offset):
     for x, rotations in [(q, torch.randn(3, 5, 32, 2, generator=generator)),
                          (q, torch.randn(1, 5, 32, 2, generator=generator)),
                          (torch.randn(1, 300, 3, 64, generator=generator), torch.randn(1, 300, 32, 2))]:
-        kernel = dispatch.rms_norm(x, weight, 1e-6, offset), dispatch.apply_rope(x, rotations)
+        with torch.profiler.profile() as profiled:
+            kernel = dispatch.rms_norm(x, weight, 1e-6, offset), dispatch.apply_rope(x, rotations)
+        ran = {event.name for event in profiled.events()}
+        assert {"accessory::rms_norm_cpu", "accessory::rotary_cpu"} <= ran and "aten::rsqrt" not in ran
         with dispatch.portable():
             reference = dispatch.rms_norm(x, weight, 1e-6, offset), dispatch.apply_rope(x, rotations)
         for got, want in zip(kernel, reference):

@@ -175,11 +175,9 @@ class Merged:
         if k == 1:  # greedy rows only: the first rank's largest among equals has the lowest id
             best = values.max(dim=-1, keepdim=True)
             self.values, order = best.values, best.indices
-        else:  # ties go to the lowest id: order by id, then stably by value
-            by_id = ids.argsort(dim=-1, stable=True)
+        else:
             kept = values.shape[-1] if complete else k  # the k largest of each rank's k largest: of all
-            order = by_id.gather(-1, values.gather(-1, by_id).argsort(dim=-1, descending=True, stable=True))
-            order = order[..., :kept]
+            order = largest_first(values, ids)[..., :kept]
             self.values = values.gather(-1, order)
         self.ids = ids.gather(-1, order).long()
         lse = torch.logsumexp(everyone[..., 2 * k], dim=0) if layout.lse else None  # (rows, L)
@@ -206,6 +204,13 @@ class Merged:
         rows, slots = self.kept.shape
         last = torch.tensor([len(proposed[row]) if row < len(proposed) else 0 for row in range(rows)])
         return bool(((self.kept == UNKNOWN) & (torch.arange(slots) <= last[:, None])).any())
+
+
+def largest_first(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The order of candidates (..., n) from the largest value down, ties to the lowest id (as argmax): by id, then
+    stably by value."""
+    by_id = ids.argsort(dim=-1, stable=True)
+    return by_id.gather(-1, values.gather(-1, by_id).argsort(dim=-1, descending=True, stable=True))
 
 
 def slice_argmax(ctx, local: torch.Tensor, tokens: range) -> list[int]:
@@ -246,7 +251,6 @@ def slice_logprobs(ctx, local: torch.Tensor, tokens: range, targets: torch.Tenso
     total = torch.logsumexp(everyone[..., 0], dim=0)  # (N,)
     candidates = everyone[..., 2:2 + top].movedim(0, -2).flatten(-2)  # (N, ranks * top)
     candidate_ids = everyone[..., 2 + top:].movedim(0, -2).flatten(-2)
-    by_id = candidate_ids.argsort(dim=-1, stable=True)  # ties to the lowest id: by id, then stably by value
-    order = by_id.gather(-1, candidates.gather(-1, by_id).argsort(dim=-1, descending=True, stable=True))[:, :top]
+    order = largest_first(candidates, candidate_ids)[:, :top]
     return PositionLogprobs(everyone[..., 1].max(dim=0).values - total, candidate_ids.gather(-1, order).long(),
                             candidates.gather(-1, order) - total[:, None])

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from accessory.errors import CollectivesOutOfStep, ConfigError, RanksDisagree
-from accessory.parallel.shared_memory import OUT_OF_STEP, SharedMemoryGroup, for_group, forget_groups
+from accessory.parallel.shared_memory import OUT_OF_STEP, SharedMemoryGroup, for_group, forget_groups, ranks_and_cores
 from accessory.parallel.watchdog import announced_failure, stop_watchdog
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,10 @@ def warn_if_ranks_crowd_cores(ctx: ParallelContext) -> None:
     """Said once, by the first rank, where a model-parallel group has more ranks on this machine than it has cores:
     they take turns on the cores at every collective, and every rank runs an eager step's whole Python, so eager
     decoding is slower than one rank there (benchmarks/README.md, `parallel.py`, fifth session)."""
-    ranks, cores = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), len(os.sched_getaffinity(0))
-    if ctx.world_size > 1 and ranks > cores and ctx.rank == 0:
+    if ctx.world_size == 1:
+        return
+    ranks, cores = ranks_and_cores()
+    if ranks > cores and ctx.rank == 0:
         log.warning("%d ranks share this machine's %d cores: they take turns on them at every collective, so eager "
                     "decoding here is slower than one rank; compile=True (--compile) decodes faster, or run at most "
                     "%d ranks a machine", ranks, cores, cores)

@@ -164,7 +164,8 @@ def _attach(group: dist.ProcessGroup, rank: int, world: int) -> Optional[SharedM
     lib = ctypes.CDLL(str(build.library_path()))
     lib.accessory_shm_segment_bytes.restype = ctypes.c_int64
     size = lib.accessory_shm_segment_bytes(world, ctypes.c_int64(SLOT_BYTES))
-    yields = _ranks_on_host() > len(os.sched_getaffinity(0))
+    ranks, cores = ranks_and_cores()
+    yields = ranks > cores
     spin = YIELD_US if yields else SPIN_US
     timeout_s = _group_timeout_s(group)
     path, handle, problem = None, -1, None
@@ -257,9 +258,10 @@ def _remove_orphans() -> None:
             continue
 
 
-def _ranks_on_host() -> int:
-    """How many ranks torchrun started on this machine (all of the world without torchrun's variable)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+def ranks_and_cores() -> tuple[int, int]:
+    """How many ranks torchrun started on this machine (all of the world without torchrun's variable), and how many
+    cores this process may use: more ranks than cores take turns on them."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())), len(os.sched_getaffinity(0))
 
 
 def _group_timeout_s(group: dist.ProcessGroup) -> float:

@@ -167,6 +167,83 @@ def test_small_step_kernels_equal_the_torch_expressions(offset):
             assert (got - want).abs().max() <= 1e-6 * want.abs().max()  # a rounding or two (FMA in the kernel)
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gated_kernel_equals_the_torch_expression(activation):
+    """A gated MLP's act(gate) * up as eager steps run it on the CPU (gate and up: halves of the fused w1/w3 product,
+    or a mixture's chunks), against the torch expression, over the activations' whole useful range."""
+    from accessory.kernels import cpu_kernels, dispatch
+
+    assert cpu_kernels()
+    generator = torch.Generator().manual_seed(1)
+    for product in (torch.randn(2, 3, 2 * 100, generator=generator) * 6, torch.randn(300, 2 * 64, generator=generator)):
+        gate, up = product.chunk(2, dim=-1)
+        with torch.profiler.profile() as profiled:
+            got = dispatch.gated(gate, up, activation)
+        assert "accessory::gated_cpu" in {event.name for event in profiled.events()}
+        with dispatch.portable():
+            want = dispatch.gated(gate, up, activation)
+        assert got.shape == want.shape == gate.shape
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+
+
+# (query heads, KV heads, qk-norm, attention scale, window, rows, tokens a row, each row's first position)
+ATTENTION_CASES = {
+    "llama": (9, 3, False, 1.0, None, 1, 1, [37]),
+    "rows at several positions": (6, 2, False, 1.0, None, 3, 1, [0, 5, 63]),
+    "speculative proposals": (6, 2, False, 1.0, None, 2, 3, [4, 20]),
+    "qk-norm and scale (Gemma 3)": (4, 1, True, 0.7, None, 2, 1, [3, 9]),
+    "a ring past its window": (4, 2, True, 1.0, 16, 2, 1, [7, 40]),
+}
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_attention_in_one_call_equals_its_steps(case, monkeypatch):
+    """An eager decode step's attention as one kernel call (attend_cpu: qk-norm, scale, rotary embedding, the cache
+    write, attention) gives the step-by-step kernels' output and caches exactly, and the portable torch path's to
+    a rounding; with a cache already holding earlier positions, per-row or shared rotations, several tokens a row,
+    and a ring that has wrapped."""
+    from types import SimpleNamespace
+
+    from accessory.kernels import cpu_kernels, dispatch
+    from accessory.network import components
+    from accessory.parallel import ParallelContext
+
+    assert cpu_kernels()
+    heads, kv_heads, qk_norm, scale, window, rows, length, first = ATTENTION_CASES[case]
+    head_dim, columns = 32, window or 128
+    args = SimpleNamespace(dim=96, n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, qkv_bias=False,
+                           qk_norm=qk_norm, norm_eps=1e-6, norm_offset=1.0, attention_scale=scale / head_dim ** 0.5)
+    attention = components.Attention(args, ParallelContext(None, 0, 1, 0), window=window)
+    generator = torch.Generator().manual_seed(len(case))
+    for param in attention.parameters():
+        param.copy_(torch.randn(param.shape, generator=generator) / 4)
+    attention.fuse()
+    attention.cache = components.KVCache(rows + 1, kv_heads, columns, head_dim, torch.float32, "cpu", ring=bool(window))
+    earlier = torch.randn(2, *attention.cache.k.shape, generator=generator)
+    positions = torch.tensor(first)[:, None] + torch.arange(length)
+    table = components.rope_table(components.base_frequencies(head_dim, 10000.0), 256, "cpu")
+    x = torch.randn(rows, length, 96, generator=generator)
+    mask = components.decode_mask(positions if not window else positions[:, -1], columns)
+
+    def decoded(rotations):
+        attention.cache.k.copy_(earlier[0]), attention.cache.v.copy_(earlier[1])
+        out = attention.decode(x, rotations, positions, mask)
+        return out, attention.cache.k.clone(), attention.cache.v.clone()
+
+    for rotations in (table[positions], table[positions[:1]]):  # each row's, or the first row's for all
+        with torch.profiler.profile() as profiled:
+            one_call = decoded(rotations)
+        assert "accessory::attend_cpu" in {event.name for event in profiled.events()}
+        with dispatch.portable():
+            portable = decoded(rotations)
+        monkeypatch.setattr(components, "attends_in_one_call", lambda *_: False)
+        steps = decoded(rotations)
+        monkeypatch.undo()
+        for got, exact, near in zip(one_call, steps, portable):
+            assert torch.equal(got, exact)
+            assert (got - near).abs().max() <= 1e-5 * near.abs().max()
+
+
 @pytest.mark.parametrize("fmt,levels", [("int8", 127), ("int4", 15)])
 def test_quantization_error_is_half_a_step(fmt, levels):
     from accessory.quant.formats import GROUP, dequantize, quantize

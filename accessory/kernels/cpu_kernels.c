@@ -1086,5 +1086,62 @@ void accessory_rotary(const float *x, int64_t tokens, int64_t heads, int64_t D, 
     }
 }
 
+/* A gated MLP's hidden units, act(gate) * up, for `rows` rows of `width` (gate's row r at gate + r * gate_stride,
+   up's alike): act SiLU (gelu_tanh 0) or GELU's tanh approximation (gelu_tanh 1). */
+void accessory_gated(const float *gate, int64_t gate_stride, const float *up, int64_t up_stride, int64_t rows,
+                     int64_t width, int gelu_tanh, float *y) {
+#pragma omp parallel for schedule(static) if (rows * width >= (1 << 18))
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate + r * gate_stride, *u = up + r * up_stride;
+        float *yr = y + r * width;
+        if (gelu_tanh)
+            for (int64_t i = 0; i < width; i++)
+                yr[i] = 0.5f * g[i] * (1.0f + tanhf(0.7978845608f * (g[i] + 0.044715f * g[i] * g[i] * g[i]))) * u[i];
+        else
+            for (int64_t i = 0; i < width; i++) yr[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* One head's q or k as the attention reads it: normed (qk-norm: `norm` given), scaled, then rotated as above. */
+static void prepare_head(const float *x, int64_t D, const float *norm, float eps, float offset, float scale,
+                         const float *turn, float *y) {
+    if (norm) accessory_rms_norm(x, 1, D, norm, eps, offset, y);
+    else for (int64_t d = 0; d < D; d++) y[d] = x[d];
+    for (int64_t i = 0; i < D / 2; i++) {
+        const float x0 = y[2 * i] * scale, x1 = y[2 * i + 1] * scale, c = turn[2 * i], s = turn[2 * i + 1];
+        y[2 * i] = x0 * c - x1 * s;
+        y[2 * i + 1] = x0 * s + x1 * c;
+    }
+}
+
+/* A decode step's attention from its projections, in one call instead of some twenty torch operations: for each of
+   the L new tokens of cache rows 0..B-1 (token t = b * L + l at positions[t]), q's and k's heads prepared
+   (prepare_head: q_norm / k_norm may be NULL, q alone is scaled), k and v stored in the caches at column
+   positions[t] (positions[t] % S on a ring), then every query attends as in accessory_decode_attention, over the
+   columns up to its position (on a ring, where L is 1: all that are written). Token t's heads start at
+   q + t * q_stride (H of them, D each; k and v alike, Hkv heads); rotations (rotation_rows: 1 or B, L, D / 2, 2);
+   caches (rows, Hkv, S, D); out (B, L, H, D), which holds the prepared q until each query overwrites its own. */
+void accessory_attend(const float *q, int64_t q_stride, const float *k, int64_t k_stride, const float *v,
+                      int64_t v_stride, int64_t B, int64_t L, int64_t H, int64_t Hkv, int64_t D,
+                      const float *rotations, int64_t rotation_rows, const int64_t *positions, float *k_cache,
+                      float *v_cache, int64_t S, int ring, float q_scale, const float *q_norm, const float *k_norm,
+                      float eps, float offset, float *out) {
+    int64_t visible[B * L];
+    for (int64_t t = 0; t < B * L; t++) {
+        const int64_t b = t / L, position = positions[t], column = ring ? position % S : position;
+        const float *turn = rotations + ((rotation_rows == 1 ? 0 : b) * L + t % L) * D;
+        for (int64_t h = 0; h < H; h++)
+            prepare_head(q + t * q_stride + h * D, D, q_norm, eps, offset, q_scale, turn, out + (t * H + h) * D);
+        for (int64_t h = 0; h < Hkv; h++) {
+            const int64_t at = ((b * Hkv + h) * S + column) * D;
+            prepare_head(k + t * k_stride + h * D, D, k_norm, eps, offset, 1.0f, turn, k_cache + at);
+            for (int64_t d = 0; d < D; d++) v_cache[at + d] = v[t * v_stride + h * D + d];
+        }
+        visible[t] = ring && position >= S ? S - 1 : position;
+    }
+    /* each query reads its own prepared q before it writes its output there */
+    accessory_decode_attention(out, k_cache, v_cache, visible, B, L, H, Hkv, S, D, out);
+}
+
 /* Which instruction set this build uses, for logs and benchmark tables. */
 const char *accessory_kernels_isa(void) { return ISA; }

@@ -14,9 +14,12 @@ torch path that computes the same values by other arithmetic.
   cannot change the output. More rows take the exact paths above.
 - `decode_attention`: a few queries per cache row over that row's own cached positions. The kernel on the CPU with
   float32 caches; elsewhere, SDPA over the first `columns` columns with the position mask.
-- `rms_norm` and `apply_rope`: a layer's small steps. In eager steps on the CPU in float32, one kernel call each
-  (cpu_kernels.c) instead of eight and fifteen torch operations, whose dispatch costs more than their arithmetic at
+- `rms_norm`, `apply_rope` and `gated` (a gated MLP's act(gate) * up): a layer's small steps. In eager steps on the
+  CPU in float32, one kernel call each (cpu_kernels.c) instead of eight, fifteen and two torch operations, whose dispatch costs more than their arithmetic at
   decode's few rows. A compiled step takes the torch expressions, which its compiler fuses with their neighbours.
+- `attends_in_one_call`: whether a decode step's attention, from its q, k and v projections to its output (qk-norm,
+  scale, rotary embedding, the cache write and the attention), is one kernel call (attend_cpu): eager float32 steps
+  on the CPU with float32 caches, as for the small steps; elsewhere those are the steps above, one at a time.
 - `grouped_experts`: a mixture of experts' MLPs, one product per chosen expert on its tokens (eager, and compiled
   on the CPU as an operator); `expert_product`: one expert of a stack chosen by a tensor id (the GPU's static step).
 
@@ -158,7 +161,20 @@ def apply_rope(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(3).type_as(x)
 
 
+def attends_in_one_call(x: torch.Tensor, k_cache: torch.Tensor, ring: bool) -> bool:
+    """x (B, L, ...), a decode step's input: whether attend_cpu takes this decode step (one token a row on a ring: several would need
+    the mask that says which of its columns each sees)."""
+    return _small_step_kernel(x) and k_cache.dtype == torch.float32 and (x.shape[1] == 1 or not ring)
+
+
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
+def gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """A gated MLP's hidden units: ACTIVATIONS[activation](gate) * up."""
+    if _small_step_kernel(gate):
+        return torch.ops.accessory.gated_cpu(gate, up, activation)
+    return ACTIVATIONS[activation](gate) * up
 
 
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor, fmt: Optional[str],
@@ -190,7 +206,7 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor,
 def _expert_mlp(x: torch.Tensor, fmt: Optional[str], w13: list[torch.Tensor], w2: list[torch.Tensor],
                 activation: str, expert: int) -> torch.Tensor:
     gate, up = expert_product(x, fmt, w13, expert).chunk(2, dim=-1)
-    return expert_product(ACTIVATIONS[activation](gate) * up, fmt, w2, expert)
+    return expert_product(gated(gate, up, activation), fmt, w2, expert)
 
 
 def expert_product(x: torch.Tensor, fmt: Optional[str], stack: list[torch.Tensor],

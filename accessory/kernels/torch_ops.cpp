@@ -25,6 +25,13 @@ void accessory_decode_attention(const float *q, const float *k, const float *v, 
 void accessory_rms_norm(const float *x, int64_t rows, int64_t dim, const float *w, float eps, float offset,
                         float *y);
 void accessory_rotary(const float *x, int64_t tokens, int64_t heads, int64_t D, const float *rotations, float *y);
+void accessory_gated(const float *gate, int64_t gate_stride, const float *up, int64_t up_stride, int64_t rows,
+                     int64_t width, int gelu_tanh, float *y);
+void accessory_attend(const float *q, int64_t q_stride, const float *k, int64_t k_stride, const float *v,
+                      int64_t v_stride, int64_t B, int64_t L, int64_t H, int64_t Hkv, int64_t D,
+                      const float *rotations, int64_t rotation_rows, const int64_t *positions, float *k_cache,
+                      float *v_cache, int64_t S, int ring, float q_scale, const float *q_norm, const float *k_norm,
+                      float eps, float offset, float *out);
 int accessory_shm_all_reduce(int handle, const void *in, void *out, int64_t n, int dtype, double timeout_s);
 int accessory_shm_all_gather(int handle, const void *in, void *out, int64_t bytes, double timeout_s);
 const char *accessory_shm_error(void);
@@ -152,6 +159,69 @@ static at::Tensor rotary_cpu(const at::Tensor &x, const at::Tensor &rotations) {
     return y;
 }
 
+// gate and up (..., width) float32, any strides -> act(gate) * up (..., width); act "silu" or "gelu_tanh".
+static at::Tensor gated_cpu(const at::Tensor &gate, const at::Tensor &up, c10::string_view activation) {
+    TORCH_CHECK(gate.dim() >= 1 && gate.sizes() == up.sizes() && gate.scalar_type() == at::kFloat &&
+                up.scalar_type() == at::kFloat, "gated_cpu: gate and up of one shape, float32");
+    TORCH_CHECK(activation == "silu" || activation == "gelu_tanh", "gated_cpu: activation silu or gelu_tanh");
+    const int64_t width = gate.size(-1);
+    auto rows_of = [width](const at::Tensor &x) {  // (rows, width), unit stride along width: a view where it can be
+        at::Tensor flat = x.reshape({-1, width});
+        return flat.stride(1) == 1 ? flat : flat.contiguous();
+    };
+    const at::Tensor g = rows_of(gate), u = rows_of(up);
+    at::Tensor y = at::empty(gate.sizes(), gate.options());
+    accessory_gated(g.data_ptr<float>(), g.stride(0), u.data_ptr<float>(), u.stride(0), g.size(0), width,
+                    activation == "gelu_tanh", y.data_ptr<float>());
+    return y;
+}
+
+// (B, L, n * D) float32 with unit stride along the last dim and tokens evenly spaced (a split of one product's
+// output), as (B * L, n * D) rows: the stride between tokens.
+static int64_t token_stride(const at::Tensor &x, int64_t width, const char *name) {
+    TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.size(2) == width && x.stride(2) == 1 &&
+                x.stride(0) == x.size(1) * x.stride(1), "attend_cpu: ", name, " must be (B, L, ", width,
+                ") float32, its tokens evenly spaced");
+    return x.stride(1);
+}
+
+// q (B, L, H * D), k and v (B, L, H_kv * D) (token_stride); rotations (B or 1, L, D / 2, 2); positions (B, L) int64;
+// caches (rows, H_kv, S, D) contiguous float32, written in place; q_norm, k_norm (D,) float32 or none.
+// -> (B, L, H * D): accessory_attend.
+static at::Tensor attend_cpu(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &rotations,
+                             const at::Tensor &positions, at::Tensor &k_cache, at::Tensor &v_cache, bool ring,
+                             double q_scale, const std::optional<at::Tensor> &q_norm,
+                             const std::optional<at::Tensor> &k_norm, double eps, double offset) {
+    TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
+                v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
+                "attend_cpu: the caches must be (rows, H_kv, S, D) contiguous float32");
+    const int64_t batch = q.size(0), length = q.dim() == 3 ? q.size(1) : 0, kv_heads = k_cache.size(1),
+                  columns = k_cache.size(2), dim = k_cache.size(3);
+    TORCH_CHECK(q.dim() == 3 && q.size(2) % dim == 0 && (q.size(2) / dim) % kv_heads == 0 && dim % 2 == 0 &&
+                batch <= k_cache.size(0) && (length == 1 || !ring), "attend_cpu: q (B, L, H * ", dim,
+                ") for ", kv_heads, " KV heads, B at most the caches' rows, L 1 on a ring");
+    const int64_t q_stride = token_stride(q, q.size(2), "q"), k_stride = token_stride(k, kv_heads * dim, "k"),
+                  v_stride = token_stride(v, kv_heads * dim, "v");
+    TORCH_CHECK(k.size(0) == batch && k.size(1) == length && v.size(0) == batch && v.size(1) == length &&
+                positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                positions.numel() == batch * length, "attend_cpu: k, v and positions (B, L) must match q");
+    TORCH_CHECK(rotations.dim() == 4 && rotations.scalar_type() == at::kFloat && rotations.is_contiguous() &&
+                (rotations.size(0) == 1 || rotations.size(0) == batch) && rotations.size(1) == length &&
+                rotations.size(2) * 2 == dim && rotations.size(3) == 2,
+                "attend_cpu: rotations (B or 1, L, D / 2, 2) contiguous float32");
+    for (const auto *norm : {&q_norm, &k_norm})
+        TORCH_CHECK(!norm->has_value() || ((*norm)->scalar_type() == at::kFloat && (*norm)->is_contiguous() &&
+                                           (*norm)->numel() == dim), "attend_cpu: q_norm, k_norm (D,) float32");
+    at::Tensor out = at::empty({batch, length, q.size(2)}, q.options());
+    accessory_attend(q.data_ptr<float>(), q_stride, k.data_ptr<float>(), k_stride, v.data_ptr<float>(), v_stride, batch,
+                     length, q.size(2) / dim, kv_heads, dim, rotations.data_ptr<float>(), rotations.size(0),
+                     positions.data_ptr<int64_t>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), columns,
+                     ring, (float)q_scale, q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr,
+                     k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr, (float)eps, (float)offset,
+                     out.data_ptr<float>());
+    return out;
+}
+
 // collectives.c's all-reduce and all-gather between the ranks of one machine, as operators so that a compiled step
 // calls them like the products (parallel/shared_memory.py owns the groups; `group` is its handle in this process).
 static int shm_dtype(const at::Tensor &x) {
@@ -194,6 +264,10 @@ TORCH_LIBRARY(accessory, m) {
     m.def("decode_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor positions) -> Tensor");
     m.def("rms_norm_cpu(Tensor x, Tensor weight, float eps, float offset) -> Tensor");
     m.def("rotary_cpu(Tensor x, Tensor rotations) -> Tensor");
+    m.def("gated_cpu(Tensor gate, Tensor up, str activation) -> Tensor");
+    m.def("attend_cpu(Tensor q, Tensor k, Tensor v, Tensor rotations, Tensor positions, Tensor(a!) k_cache, "
+          "Tensor(b!) v_cache, bool ring, float q_scale, Tensor? q_norm, Tensor? k_norm, float eps, float offset) "
+          "-> Tensor");
     m.def("shm_all_reduce(Tensor x, int group, float timeout_s) -> Tensor");
     m.def("shm_all_gather(Tensor x, int group, int world, float timeout_s) -> Tensor");
 }
@@ -205,6 +279,8 @@ TORCH_LIBRARY_IMPL(accessory, CPU, m) {
     m.impl("decode_attention_cpu", &decode_attention_cpu);
     m.impl("rms_norm_cpu", &rms_norm_cpu);
     m.impl("rotary_cpu", &rotary_cpu);
+    m.impl("gated_cpu", &gated_cpu);
+    m.impl("attend_cpu", &attend_cpu);
     m.impl("shm_all_reduce", &shm_all_reduce);
     m.impl("shm_all_gather", &shm_all_gather);
 }

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from accessory.errors import ConfigError
-from accessory.kernels import ACTIVATIONS, apply_rope, decode_attention, expert_product, grouped_experts, rms_norm
+from accessory.kernels import (apply_rope, attends_in_one_call, decode_attention, expert_product, gated,
+                               grouped_experts, rms_norm)
 from accessory.parallel import (ColumnParallelLinear, ExpertLinear, FusedColumns, ParallelContext, RowParallelLinear,
                                 expert_placement, head_placement, head_shard)
 from accessory.quant.formats import GROUP, PARTS, block_size
@@ -267,10 +268,14 @@ class Attention(nn.Module):
         if FusedColumns.fusable([self.wq, self.wk, self.wv]):
             self.wqkv = FusedColumns([self.wq, self.wk, self.wv])
 
+    def _project(self, x: torch.Tensor):
+        """q (B, L, H * D), k and v (B, L, H_kv * D): x's projections, as they come."""
+        return self.wqkv(x) if self.wqkv is not None else (self.wq(x), self.wk(x), self.wv(x))
+
     def _qkv(self, x: torch.Tensor, rotations: torch.Tensor):
         """q (B, L, H, D), k and v (B, L, H_kv, D), with q/k norm and RoPE applied to q and k."""
         batch, seqlen, _ = x.shape
-        q, k, v = self.wqkv(x) if self.wqkv is not None else (self.wq(x), self.wk(x), self.wv(x))
+        q, k, v = self._project(x)
         q = q.view(batch, seqlen, self.n_local_heads, self.head_dim)
         k = k.view(batch, seqlen, self.n_local_kv_heads, self.head_dim)
         if self.q_norm is not None:
@@ -336,6 +341,8 @@ class Attention(nn.Module):
         speculative proposals); `mask` (B, 1, L, C) says which of the first C cache columns each token sees (on a
         ring, where L is 1: which of its columns hold positions already written)."""
         batch, length = positions.shape
+        if attends_in_one_call(x, self.cache.k, self.cache.ring):
+            return self.wo(self._attend(*self._project(x), rotations, positions))
         q, k, v = self._qkv(x, rotations)
         rows = torch.arange(batch, device=x.device)[:, None].expand(batch, length)
         self.cache.write(rows.reshape(-1), positions.reshape(-1), k.flatten(0, 1), v.flatten(0, 1))
@@ -343,6 +350,14 @@ class Attention(nn.Module):
             positions = positions.clamp(max=self.cache.columns - 1)
         attended = decode_attention(q, self.cache.k, self.cache.v, positions, mask, self.cache.ring)
         return self._out(attended)
+
+
+    def _attend(self, q, k, v, rotations, positions) -> torch.Tensor:
+        """decode's steps from the projections to the attention's output (B, L, H * D) in one kernel call."""
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.offset) \
+            if self.q_norm is not None else (None, None, 0.0, 0.0)
+        return torch.ops.accessory.attend_cpu(q, k, v, rotations, positions, self.cache.k, self.cache.v,
+                                              self.cache.ring, self.q_scale, *norms)
 
 
 def decode_mask(positions: torch.Tensor, columns: int) -> torch.Tensor:
@@ -361,7 +376,7 @@ class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, ctx: ParallelContext, linears: Linears = PLAIN,
                  activation: str = "silu"):
         super().__init__()
-        self.act = ACTIVATIONS[activation]
+        self.activation = activation
         self.w1 = linears.column(dim, hidden_dim, ctx)
         self.w2 = linears.row(hidden_dim, dim, ctx)
         self.w3 = linears.column(dim, hidden_dim, ctx)
@@ -374,7 +389,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x) if self.w13 is not None else (self.w1(x), self.w3(x))
-        return self.w2(self.act(gate) * up)
+        return self.w2(gated(gate, up, self.activation))
 
     def align_hidden(self, block: int = GROUP) -> None:
         """Split the hidden units on quantization-block boundaries: w2's inputs are quantized in blocks of `block`
@@ -506,7 +521,7 @@ class MoEFeedForward(nn.Module):
 
     def _mlp(self, x: torch.Tensor, expert: Union[int, torch.Tensor]) -> torch.Tensor:
         gate, up = self.w13.product(x, expert).chunk(2, dim=-1)
-        return self.w2.product(ACTIVATIONS[self.activation](gate) * up, expert)
+        return self.w2.product(gated(gate, up, self.activation), expert)
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """One product per local expert on the tokens that chose it."""

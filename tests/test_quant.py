@@ -230,18 +230,55 @@ def test_attention_in_one_call_equals_its_steps(case, monkeypatch):
         out = attention.decode(x, rotations, positions, mask)
         return out, attention.cache.k.clone(), attention.cache.v.clone()
 
-    for rotations in (table[positions], table[positions[:1]]):  # each row's, or the first row's for all
+    def ran(rotations, operator):
         with torch.profiler.profile() as profiled:
-            one_call = decoded(rotations)
-        assert "accessory::attend_cpu" in {event.name for event in profiled.events()}
-        with dispatch.portable():
-            portable = decoded(rotations)
+            result = decoded(rotations)
+        assert f"accessory::{operator}" in {event.name for event in profiled.events()}
+        return result
+
+    for rotations in (table[positions], table[positions[:1]]):  # each row's, or the first row's for all
+        block = ran(rotations, "attention_block_cpu")
+        monkeypatch.setattr(components, "products_in_one_call", lambda *_: False)
+        one_call = ran(rotations, "attend_cpu")
         monkeypatch.setattr(components, "attends_in_one_call", lambda *_: False)
         steps = decoded(rotations)
         monkeypatch.undo()
-        for got, exact, near in zip(one_call, steps, portable):
-            assert torch.equal(got, exact)
+        with dispatch.portable():
+            portable = decoded(rotations)
+        for got_block, got, exact, near in zip(block, one_call, steps, portable):
+            assert torch.equal(got_block, exact) and torch.equal(got, exact)
             assert (got - near).abs().max() <= 1e-5 * near.abs().max()
+
+
+@pytest.mark.parametrize("fmt", [None, "int4", "int8"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_gated_mlp_in_one_call_equals_its_steps(fmt, rows, monkeypatch):
+    """An eager step's gated MLP as one kernel call (mlp_block_cpu: the w1 / w3 product, act(gate) * up, the w2
+    product) gives exactly what its steps give, for float32, int4 and int8, at one row and several."""
+    from accessory.kernels import cpu_kernels
+    from accessory.network import components
+    from accessory.parallel import ParallelContext
+
+    assert cpu_kernels()
+    mlp = components.FeedForward(256, 512, ParallelContext(None, 0, 1, 0),
+                                 activation="gelu_tanh" if rows > 1 else "silu")
+    generator = torch.Generator().manual_seed(rows)
+    weights = {name: torch.randn(param.shape, generator=generator) / 16 for name, param in mlp.named_parameters()}
+    if fmt is not None:
+        mlp.align_hidden(32)
+        for layer in (mlp.w1, mlp.w2, mlp.w3):
+            layer.quantize_(fmt)
+        for name, layer in (("w1", mlp.w1), ("w2", mlp.w2), ("w3", mlp.w3)):
+            layer.weight.quantize_from(weights[f"{name}.weight"])
+    else:
+        mlp.load_state_dict(weights)
+    mlp.fuse()
+    x = torch.randn(rows, 1, 256, generator=generator)
+    with torch.profiler.profile() as profiled:
+        one_call = mlp(x)
+    assert "accessory::mlp_block_cpu" in {event.name for event in profiled.events()}
+    monkeypatch.setattr(components, "products_in_one_call", lambda *_: False)
+    assert torch.equal(one_call, mlp(x))
 
 
 @pytest.mark.parametrize("fmt,levels", [("int8", 127), ("int4", 15)])

@@ -4,7 +4,9 @@ before it), RMSNorm and rotary embeddings, on the CPU. build.py compiles and loa
 the portable torch path, for each call."""
 from accessory.kernels.build import cpu_kernels, kernel_isa
 from accessory.kernels.dispatch import (ACTIVATIONS, apply_rope, attends_in_one_call, decode_attention, expert_product,
-                                        gated, grouped_experts, linear, quantized_linear, rms_norm)
+                                        gated, grouped_experts, linear, products_in_one_call, quantized_linear,
+                                        rms_norm)
 
 __all__ = ["cpu_kernels", "kernel_isa", "linear", "quantized_linear", "decode_attention", "expert_product",
-           "grouped_experts", "rms_norm", "apply_rope", "gated", "attends_in_one_call", "ACTIVATIONS"]
+           "grouped_experts", "rms_norm", "apply_rope", "gated", "attends_in_one_call", "products_in_one_call",
+           "ACTIVATIONS"]

@@ -161,6 +161,22 @@ def apply_rope(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(3).type_as(x)
 
 
+def products_in_one_call(x: torch.Tensor, products: list) -> bool:
+    """x (..., in), an eager step's input to a block half's `products` ((format, parts) each: ParallelWeight.plain_parts,
+    None for one that has none): whether each is a product `linear` or `quantized_linear` would give the kernels for
+    x's rows, so that the half may run in one call (attention_block_cpu, mlp_block_cpu) that makes them from C++."""
+    rows = x.numel() // x.shape[-1]
+    if not _small_step_kernel(x) or any(product is None for product in products):
+        return False
+    for fmt, parts in products:
+        if not fmt and not (rows <= FLOAT_KERNEL_MAX_ROWS and parts[0].dtype == torch.float32
+                            and parts[0].is_contiguous() and parts[0].shape[1] % 32 == 0):
+            return False
+        if fmt and rows > (BLOCK_KERNEL_MAX_ROWS if fmt in GGUF_BLOCKS else KERNEL_MAX_ROWS):
+            return False
+    return True
+
+
 def attends_in_one_call(x: torch.Tensor, k_cache: torch.Tensor, ring: bool) -> bool:
     """x (B, L, ...), a decode step's input: whether attend_cpu takes this decode step (one token a row on a ring: several would need
     the mask that says which of its columns each sees)."""

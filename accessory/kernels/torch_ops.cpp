@@ -1,9 +1,10 @@
 // The CPU kernels of cpu_kernels.c as torch operators (accessory::linear_cpu, quantized_linear_cpu,
-// int4_int8x_linear_cpu, decode_attention_cpu, rms_norm_cpu, rotary_cpu),
-// so that eager code and torch.compile's generated code both reach them through the dispatcher at C++ cost.
+// int4_int8x_linear_cpu, decode_attention_cpu, rms_norm_cpu, rotary_cpu, gated_cpu, attend_cpu, and a block's halves
+// attention_block_cpu and mlp_block_cpu), so that eager code and torch.compile's generated code both reach them through the dispatcher at C++ cost.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
 #include <torch/library.h>
 
 #include <string>
@@ -222,6 +223,53 @@ static at::Tensor attend_cpu(const at::Tensor &q, const at::Tensor &k, const at:
     return out;
 }
 
+// ---- a block's halves in one call (eager decode steps) -----------------------------------------------------------
+// What dispatch.py's `linear` and `quantized_linear` would run for these rows, called from here instead of from
+// Python: W float32 (fmt "", parts [W]; one row by the BLAS library unless `one_row_kernel`) or in `fmt`'s parts.
+static at::Tensor block_product(const at::Tensor &x, c10::string_view fmt, at::TensorList parts, bool one_row_kernel) {
+    if (fmt.empty())
+        return x.size(0) == 1 && !one_row_kernel ? at::linear(x, parts[0]) : linear_cpu(x, parts[0]);
+    auto part = [&](size_t i) { return parts.size() > i ? std::optional<at::Tensor>(parts[i]) : std::nullopt; };
+    return quantized_linear_cpu(x, fmt, parts[0], part(1), part(2));
+}
+
+// A decode step's attention but for its all-reduce: x (B, L, dim), normed -> the q, k, v product (+ bias) -> attend_cpu
+// -> the output product: this rank's partial sum (B, L, dim).
+static at::Tensor attention_block_cpu(const at::Tensor &x, c10::string_view qkv_fmt, at::TensorList qkv,
+                                      const std::optional<at::Tensor> &qkv_bias, const at::Tensor &rotations,
+                                      const at::Tensor &positions, at::Tensor &k_cache, at::Tensor &v_cache, bool ring,
+                                      double q_scale, const std::optional<at::Tensor> &q_norm,
+                                      const std::optional<at::Tensor> &k_norm, double eps, double offset,
+                                      c10::string_view out_fmt, at::TensorList out, bool one_row_kernel) {
+    TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "attention_block_cpu: x (B, L, dim) float32");
+    const int64_t batch = x.size(0), length = x.size(1);
+    at::Tensor y = block_product(x.reshape({batch * length, x.size(2)}).contiguous(), qkv_fmt, qkv, one_row_kernel);
+    if (qkv_bias.has_value()) y.add_(*qkv_bias);
+    const int64_t kv = k_cache.size(1) * k_cache.size(3), q_width = y.size(1) - 2 * kv;
+    TORCH_CHECK(q_width > 0, "attention_block_cpu: the q, k, v product is narrower than k's and v's heads");
+    const at::Tensor qkv_out = y.view({batch, length, y.size(1)});
+    const at::Tensor attended = attend_cpu(qkv_out.narrow(2, 0, q_width), qkv_out.narrow(2, q_width, kv),
+                                           qkv_out.narrow(2, q_width + kv, kv), rotations, positions, k_cache, v_cache,
+                                           ring, q_scale, q_norm, k_norm, eps, offset);
+    return block_product(attended.view({batch * length, q_width}), out_fmt, out, one_row_kernel)
+        .view({batch, length, -1});
+}
+
+// A gated MLP but for its all-reduce: x (..., dim), normed -> the stacked w1 / w3 product -> act(gate) * up -> the
+// w2 product: this rank's partial sum (..., dim).
+static at::Tensor mlp_block_cpu(const at::Tensor &x, c10::string_view w13_fmt, at::TensorList w13,
+                                c10::string_view activation, c10::string_view w2_fmt, at::TensorList w2,
+                                bool one_row_kernel) {
+    TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat, "mlp_block_cpu: x (..., dim) float32");
+    const at::Tensor both = block_product(x.reshape({-1, x.size(-1)}).contiguous(), w13_fmt, w13, one_row_kernel);
+    const int64_t hidden = both.size(1) / 2;
+    const at::Tensor y = block_product(gated_cpu(both.narrow(1, 0, hidden), both.narrow(1, hidden, hidden), activation),
+                                       w2_fmt, w2, one_row_kernel);
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = y.size(1);
+    return y.view(shape);
+}
+
 // collectives.c's all-reduce and all-gather between the ranks of one machine, as operators so that a compiled step
 // calls them like the products (parallel/shared_memory.py owns the groups; `group` is its handle in this process).
 static int shm_dtype(const at::Tensor &x) {
@@ -268,6 +316,11 @@ TORCH_LIBRARY(accessory, m) {
     m.def("attend_cpu(Tensor q, Tensor k, Tensor v, Tensor rotations, Tensor positions, Tensor(a!) k_cache, "
           "Tensor(b!) v_cache, bool ring, float q_scale, Tensor? q_norm, Tensor? k_norm, float eps, float offset) "
           "-> Tensor");
+    m.def("attention_block_cpu(Tensor x, str qkv_fmt, Tensor[] qkv, Tensor? qkv_bias, Tensor rotations, "
+          "Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache, bool ring, float q_scale, Tensor? q_norm, "
+          "Tensor? k_norm, float eps, float offset, str out_fmt, Tensor[] out, bool one_row_kernel) -> Tensor");
+    m.def("mlp_block_cpu(Tensor x, str w13_fmt, Tensor[] w13, str activation, str w2_fmt, Tensor[] w2, "
+          "bool one_row_kernel) -> Tensor");
     m.def("shm_all_reduce(Tensor x, int group, float timeout_s) -> Tensor");
     m.def("shm_all_gather(Tensor x, int group, int world, float timeout_s) -> Tensor");
 }
@@ -281,6 +334,8 @@ TORCH_LIBRARY_IMPL(accessory, CPU, m) {
     m.impl("rotary_cpu", &rotary_cpu);
     m.impl("gated_cpu", &gated_cpu);
     m.impl("attend_cpu", &attend_cpu);
+    m.impl("attention_block_cpu", &attention_block_cpu);
+    m.impl("mlp_block_cpu", &mlp_block_cpu);
     m.impl("shm_all_reduce", &shm_all_reduce);
     m.impl("shm_all_gather", &shm_all_gather);
 }

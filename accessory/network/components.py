@@ -27,7 +27,8 @@ from torch import nn
 
 from accessory.errors import ConfigError
 from accessory.kernels import (apply_rope, attends_in_one_call, decode_attention, expert_product, gated,
-                               grouped_experts, rms_norm)
+                               grouped_experts, products_in_one_call, rms_norm)
+from accessory.kernels.build import one_row_float_kernel
 from accessory.parallel import (ColumnParallelLinear, ExpertLinear, FusedColumns, ParallelContext, RowParallelLinear,
                                 expert_placement, head_placement, head_shard)
 from accessory.quant.formats import GROUP, PARTS, block_size
@@ -342,6 +343,9 @@ class Attention(nn.Module):
         ring, where L is 1: which of its columns hold positions already written)."""
         batch, length = positions.shape
         if attends_in_one_call(x, self.cache.k, self.cache.ring):
+            products = [self.wqkv and self.wqkv.plain_parts(), self.wo.plain_parts()]
+            if products_in_one_call(x, products):
+                return self.wo.ctx.all_reduce(self._block(x, products, rotations, positions))
             return self.wo(self._attend(*self._project(x), rotations, positions))
         q, k, v = self._qkv(x, rotations)
         rows = torch.arange(batch, device=x.device)[:, None].expand(batch, length)
@@ -354,10 +358,20 @@ class Attention(nn.Module):
 
     def _attend(self, q, k, v, rotations, positions) -> torch.Tensor:
         """decode's steps from the projections to the attention's output (B, L, H * D) in one kernel call."""
-        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.offset) \
-            if self.q_norm is not None else (None, None, 0.0, 0.0)
         return torch.ops.accessory.attend_cpu(q, k, v, rotations, positions, self.cache.k, self.cache.v,
-                                              self.cache.ring, self.q_scale, *norms)
+                                              self.cache.ring, self.q_scale, *self._qk_norms())
+
+    def _block(self, x, products, rotations, positions) -> torch.Tensor:
+        """decode from x to this rank's partial sum (B, L, dim), all-reduce aside, in one kernel call."""
+        (qkv_fmt, qkv), (out_fmt, out) = products
+        return torch.ops.accessory.attention_block_cpu(
+            x, qkv_fmt, qkv, self.wqkv.bias, rotations, positions, self.cache.k, self.cache.v, self.cache.ring,
+            self.q_scale, *self._qk_norms(), out_fmt, out, one_row_float_kernel())
+
+    def _qk_norms(self) -> tuple:
+        if self.q_norm is None:
+            return None, None, 0.0, 0.0
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.offset
 
 
 def decode_mask(positions: torch.Tensor, columns: int) -> torch.Tensor:
@@ -388,6 +402,11 @@ class FeedForward(nn.Module):
             self.w13 = FusedColumns([self.w1, self.w3])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        products = [self.w13 and self.w13.plain_parts(), self.w2.plain_parts()]
+        if products_in_one_call(x, products):  # an eager step's few rows: the whole MLP in one kernel call
+            (w13_fmt, w13), (w2_fmt, w2) = products
+            return self.w2.ctx.all_reduce(torch.ops.accessory.mlp_block_cpu(x, w13_fmt, w13, self.activation, w2_fmt,
+                                                                             w2, one_row_float_kernel()))
         gate, up = self.w13(x) if self.w13 is not None else (self.w1(x), self.w3(x))
         return self.w2(gated(gate, up, self.activation))
 

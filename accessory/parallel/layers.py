@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from accessory.parallel.context import ParallelContext
-from accessory.quant.formats import block_size
+from accessory.quant.formats import PARTS, block_size
 from accessory.kernels import linear, quantized_linear
 from accessory.kernels.build import int4_int8x
 from accessory.parallel.quantized_weight import QuantizedWeight, hold_int8x_copy, int8x_parts
@@ -116,6 +116,16 @@ class ParallelWeight(nn.Module):
         """x @ W^T with this rank's slice of W."""
         weight = self.weight
         return weight.linear(x) if isinstance(weight, QuantizedWeight) else linear(x, weight)
+
+    def plain_parts(self) -> Optional[tuple[str, list[torch.Tensor]]]:
+        """This rank's W for a product the kernels make from C++ (kernels/dispatch.py `products_in_one_call`): its
+        format and parts in PARTS order, ("", [W]) for float; None with adapters attached or a draft's int8-x copy."""
+        weight = self.weight
+        if self.adapters is not None or int8x_parts(weight) is not None:
+            return None
+        if isinstance(weight, QuantizedWeight):
+            return weight.fmt, [getattr(weight, name) for name in PARTS[weight.fmt]]
+        return "", [weight]
 
     def quantize_(self, fmt: str) -> None:
         """Hold the weight in `fmt` (quant/formats.py) from now on; on the meta device, before loading."""
@@ -231,6 +241,12 @@ class FusedColumns(nn.Module):
         kinds = {(type(layer), getattr(layer.weight, "fmt", None), layer.weight.shape[1], layer.bias is None)
                  for layer in layers}
         return len(kinds) == 1 and type(layers[0]) is ColumnParallelLinear and not layers[0].gather_output
+
+    def plain_parts(self) -> Optional[tuple[str, list[torch.Tensor]]]:
+        """The stacked W as ParallelWeight.plain_parts gives a layer's; None if any layer has adapters attached."""
+        if any(layer.adapters is not None for layer in self.layers) or int8x_parts(self) is not None:
+            return None
+        return (self.fmt, [getattr(self, name) for name in PARTS[self.fmt]]) if self.fmt else ("", [self.weight])
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.fmt is None:

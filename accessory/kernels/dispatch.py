@@ -15,11 +15,14 @@ torch path that computes the same values by other arithmetic.
 - `decode_attention`: a few queries per cache row over that row's own cached positions. The kernel on the CPU with
   float32 caches; elsewhere, SDPA over the first `columns` columns with the position mask.
 - `rms_norm`, `apply_rope` and `gated` (a gated MLP's act(gate) * up): a layer's small steps. In eager steps on the
-  CPU in float32, one kernel call each (cpu_kernels.c) instead of eight, fifteen and two torch operations, whose dispatch costs more than their arithmetic at
-  decode's few rows. A compiled step takes the torch expressions, which its compiler fuses with their neighbours.
+  CPU in float32, one kernel call each (cpu_kernels.c) instead of eight, fifteen and two torch operations, whose
+  dispatch costs more than their arithmetic at decode's few rows. A compiled step takes the torch expressions, which
+  its compiler fuses with their neighbours.
 - `attends_in_one_call`: whether a decode step's attention, from its q, k and v projections to its output (qk-norm,
   scale, rotary embedding, the cache write and the attention), is one kernel call (attend_cpu): eager float32 steps
   on the CPU with float32 caches, as for the small steps; elsewhere those are the steps above, one at a time.
+- `products_in_one_call`: whether a block half's products all go to the kernels for an eager step's rows, so that
+  the half, all-reduce aside, is one call that makes them from C++ (attention_block_cpu, mlp_block_cpu).
 - `grouped_experts`: a mixture of experts' MLPs, one product per chosen expert on its tokens (eager, and compiled
   on the CPU as an operator); `expert_product`: one expert of a stack chosen by a tensor id (the GPU's static step).
 
@@ -77,11 +80,19 @@ def _kernels_here(device: torch.device) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (..., in) @ weight^T -> (..., out), weight (out, in) float."""
     rows = x.reshape(-1, x.shape[-1])
-    fits = x.dtype == weight.dtype == torch.float32 and weight.is_contiguous() and weight.shape[1] % 32 == 0
+    fits = x.dtype == torch.float32 and _float_kernel_fits(weight)
     if fits and _kernels_here(x.device) and (2 <= rows.shape[0] <= FLOAT_KERNEL_MAX_ROWS
                                              or (rows.shape[0] == 1 and one_row_float_kernel())):
         return torch.ops.accessory.linear_cpu(rows.contiguous(), weight).reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)
+
+
+def _float_kernel_fits(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.float32 and weight.is_contiguous() and weight.shape[1] % 32 == 0
+
+
+def _kernel_max_rows(fmt: str) -> int:
+    return BLOCK_KERNEL_MAX_ROWS if fmt in GGUF_BLOCKS else KERNEL_MAX_ROWS
 
 
 def quantized_linear(x: torch.Tensor, fmt: str, q: torch.Tensor, scale: Optional[torch.Tensor] = None,
@@ -90,7 +101,7 @@ def quantized_linear(x: torch.Tensor, fmt: str, q: torch.Tensor, scale: Optional
     """x (..., in) @ W^T -> (..., out) in x's dtype, W given by its parts in `fmt` (formats.py); int4 may come with
     its `int8x` repacking too (a draft's weights: pack_int4_int8x)."""
     rows = x.reshape(-1, x.shape[-1])
-    most = BLOCK_KERNEL_MAX_ROWS if fmt in GGUF_BLOCKS else KERNEL_MAX_ROWS
+    most = _kernel_max_rows(fmt)
     if int8x is not None and rows.shape[0] <= INT8X_MAX_ROWS and _kernels_here(x.device):
         out = torch.ops.accessory.int4_int8x_linear_cpu(rows.float().contiguous(), *int8x, q.shape[0]).to(x.dtype)
     elif rows.shape[0] <= most and _kernels_here(x.device):
@@ -162,24 +173,20 @@ def apply_rope(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
 
 
 def products_in_one_call(x: torch.Tensor, products: list) -> bool:
-    """x (..., in), an eager step's input to a block half's `products` ((format, parts) each: ParallelWeight.plain_parts,
-    None for one that has none): whether each is a product `linear` or `quantized_linear` would give the kernels for
-    x's rows, so that the half may run in one call (attention_block_cpu, mlp_block_cpu) that makes them from C++."""
+    """x (..., in), an eager step's input to a block half's `products` ((format, parts) each:
+    ParallelWeight.plain_parts, None for one that has none): whether each is a product `linear` or
+    `quantized_linear` would give the kernels for x's rows, so that the half may run in one call
+    (attention_block_cpu, mlp_block_cpu) that makes them from C++."""
     rows = x.numel() // x.shape[-1]
     if not _small_step_kernel(x) or any(product is None for product in products):
         return False
-    for fmt, parts in products:
-        if not fmt and not (rows <= FLOAT_KERNEL_MAX_ROWS and parts[0].dtype == torch.float32
-                            and parts[0].is_contiguous() and parts[0].shape[1] % 32 == 0):
-            return False
-        if fmt and rows > (BLOCK_KERNEL_MAX_ROWS if fmt in GGUF_BLOCKS else KERNEL_MAX_ROWS):
-            return False
-    return True
+    return all(rows <= _kernel_max_rows(fmt) if fmt else rows <= FLOAT_KERNEL_MAX_ROWS and _float_kernel_fits(parts[0])
+               for fmt, parts in products)
 
 
 def attends_in_one_call(x: torch.Tensor, k_cache: torch.Tensor, ring: bool) -> bool:
-    """x (B, L, ...), a decode step's input: whether attend_cpu takes this decode step (one token a row on a ring: several would need
-    the mask that says which of its columns each sees)."""
+    """x (B, L, ...), a decode step's input: whether attend_cpu takes this decode step (one token a row on a ring:
+    several would need the mask that says which of its columns each sees)."""
     return _small_step_kernel(x) and k_cache.dtype == torch.float32 and (x.shape[1] == 1 or not ring)
 
 

@@ -23,7 +23,7 @@ def serve(load: Callable[[], object], host: str = "127.0.0.1", port: int = 8000,
     """Load the model with `load()` (on every rank) and serve it until SIGTERM or SIGINT (then finish what runs,
     for up to grace_s, and return on every rank). `images`: how chat messages' images are read (an
     `images.ImageOptions`; default: its defaults)."""
-    from accessory.serve.api import ServiceSlot
+    from accessory.serve.routes import ServiceSlot
     from accessory.serve.images import ImageOptions
 
     slot, server, thread = ServiceSlot(), None, None

@@ -63,8 +63,8 @@ def drive(model, arrivals: dict, rows: int, cancels: dict = None):
 def test_a_request_arriving_mid_decode_joins_the_running_batch(model):
     first, late = request(model, "a", PROMPTS[2], 16), request(model, "b", PROMPTS[1], 8)
     plans, requests = drive(model, {0: [first], 4: [late]}, rows=4)
-    joined = next(plan for plan in plans if plan.admit and plan.keep)  # b prefills while a keeps decoding
-    assert joined.keep == (0,) and joined.admit == (tuple(late.tokens),)
+    joined = next(plan for plan in plans if plan.joining and plan.keep)  # b prefills while a keeps decoding
+    assert joined.keep == (0,) and joined.joining.prompts == (tuple(late.tokens),)
     alone = greedy_ids(model, [first.tokens, late.tokens], 16)
     assert requests["a"].generated == alone[0] and requests["b"].generated == alone[1][:8]
     assert [r.finish_reason for r in requests.values()] == ["length", "length"]
@@ -88,7 +88,7 @@ def test_a_cancelled_request_leaves_and_the_others_are_unchanged(model):
     plans, requests = drive(model, {0: [keep, cancel]}, rows=2, cancels={3: ["cancel"]})
     assert requests["cancel"].finish_reason == "cancelled" and 1 <= len(requests["cancel"].generated) < 12
     assert requests["keep"].generated == greedy_ids(model, [keep.tokens], 12)[0]
-    keeps = [len(plan.keep) for plan in plans if plan.keep or plan.admit]
+    keeps = [len(plan.keep) for plan in plans if plan.keep or plan.joining]
     assert keeps[:4] == [0, 2, 2, 1] and set(keeps[3:]) == {1}  # it left at the step after the cancel
 
 
@@ -110,7 +110,7 @@ def _arrivals_at_two_ranks(folder):
     arrivals = {0: [request(model, "a", PROMPTS[2], 10, temperature=0.8)],
                 3: [request(model, "b", PROMPTS[0], 10), request(model, "c", PROMPTS[3], 6, seed=1, temperature=1.0)]}
     plans, requests = drive(model, arrivals, rows=2)
-    return [(p.keep, p.tokens, p.admit) for p in plans], {k: r.generated for k, r in requests.items()}
+    return [(p.keep, p.tokens, p.joining.prompts) for p in plans], {k: r.generated for k, r in requests.items()}
 
 
 def test_ranks_run_the_same_plans_as_requests_arrive(tiny_checkpoints):

@@ -34,7 +34,8 @@ from accessory.generation.model_runner import MIN_COLUMNS, ModelRunner
 from accessory.network.components import decode_mask
 from accessory.generation.packaged_steps import compiled_step
 from accessory.generation.requests import Event, Request
-from accessory.generation.scheduler import Follower, Plan, Scheduler
+from accessory.generation.plan import Plan
+from accessory.generation.scheduler import Follower, Scheduler
 from accessory.generation.speculative import NgramProposer, SpeculativeConfig
 from accessory.generation.wire import share_plan
 from accessory.parallel.watchdog import announce_failure

@@ -25,8 +25,8 @@ from typing import Optional
 import torch
 import torch.fx.experimental._config as fx_config
 
+from accessory.generation.plan import Joining, Plan, RowResult
 from accessory.generation.prefix import RetainedRows, plan_reuse, waves
-from accessory.generation.scheduler import Plan
 from accessory.generation.speculative import RowBudget, accepted_count
 from accessory.generation.sampling import MAX_LOGPROBS
 from accessory.generation.vocab_slices import PositionLogprobs, VocabSlice, slice_logprobs
@@ -71,25 +71,29 @@ class ModelRunner:
         self.vocab.observe(plan.results)
         self.compact(plan.keep)
         self.vocab.compact(plan.keep)
-        if len(plan.keep) + len(plan.admit) > self.rows:
-            raise RuntimeError(f"plan has {len(plan.keep) + len(plan.admit)} rows; the batch holds {self.rows}")
-        local, self.proposed = [], []
-        if plan.keep:
-            local.append(self._decode(plan.tokens))
-        if plan.admit:
-            images = plan.images or (None,) * len(plan.admit)
-            local.append(self.prefill(plan.admit, images, plan.adapters))
-            self.vocab.admit(plan.rules, plan.admit)
-            if self.proposer is not None:
-                self.proposer.admit(plan.admit, images, self)
-                self.budgets += [RowBudget(self.engine.speculation_costs()) for _ in plan.admit]
-            self.proposed += [()] * len(plan.admit)
+        if plan.rows > self.rows:
+            raise RuntimeError(f"plan has {plan.rows} rows; the batch holds {self.rows}")
+        self.proposed = []
+        parts = [self._decode(plan.tokens)] if plan.keep else []  # (rows, L, local vocab)
+        if plan.joining:
+            slots = parts[0].shape[1] if parts else 1
+            parts.append(self._admit(plan.joining)[:, None].expand(-1, slots, -1))  # a prompt's in its first slot
         scored = scored if self.engine.ctx.is_source else []
-        if not local:
+        if not parts:
             return None, scored
-        slots = max([1] + [part.shape[1] for part in local if part.dim() == 3])  # verified rows': (rows, L, vocab)
-        local = [part if part.dim() == 3 else part[:, None].expand(-1, slots, -1) for part in local]
-        return local[0] if len(local) == 1 else torch.cat(local), scored  # a prompt's logits in its first slot
+        return parts[0] if len(parts) == 1 else torch.cat(parts), scored
+
+    def _admit(self, joining: Joining) -> torch.Tensor:
+        """Prefill the joining prompts into the rows after the kept ones; their last tokens' logits (prompts, local
+        vocabulary)."""
+        images = joining.each_image()
+        logits = self.prefill(joining.prompts, images, joining.adapters)
+        self.vocab.admit(joining.rules, joining.prompts)
+        if self.proposer is not None:
+            self.proposer.admit(joining.prompts, images, self)
+            self.budgets += [RowBudget(self.engine.speculation_costs()) for _ in joining.prompts]
+        self.proposed += [()] * len(joining)
+        return logits
 
     # ---- 1. scoring -------------------------------------------------------------------------------------------------
 
@@ -103,7 +107,7 @@ class ModelRunner:
 
     # ---- 2. compaction ----------------------------------------------------------------------------------------------
 
-    def _settle(self, results: tuple[tuple[tuple[int, ...], int], ...]) -> None:
+    def _settle(self, results: tuple[RowResult, ...]) -> None:
         """Drop from each row the proposals the last step fed but the source rank did not keep (`results`: each
         row's kept tokens, as the plan says), so its next token goes where the first rejected one went."""
         stats = self.engine.stats
@@ -142,8 +146,8 @@ class ModelRunner:
     # ---- 3. the decode step -----------------------------------------------------------------------------------------
 
     def _decode(self, tokens: tuple[int, ...]) -> torch.Tensor:
-        """This rank's logits (len(tokens), local vocab) of one token for each of the first len(tokens) rows; or,
-        when some rows have proposals, (len(tokens), L, local vocab) from `_verify`."""
+        """This rank's logits (len(tokens), L, local vocab): with no proposals (L = 1) of one token for each of the
+        first len(tokens) rows; else of each row's token and its proposals after it, from `_verify`."""
         proposals = self._propose(tokens)
         if any(proposals):
             return self._verify(tokens, proposals)
@@ -160,7 +164,7 @@ class ModelRunner:
         logits = self.engine.decode_step(token_ids, positions, decode_mask(positions, width))
         for row, token in zip(self.cached, tokens):
             row.append(token)
-        return logits[:n]
+        return logits[:n, None]
 
     def _propose(self, tokens: tuple[int, ...]) -> list[tuple[int, ...]]:
         """Each row's proposals for the tokens after `tokens[row]`, as many as its budget and the cache allow."""

@@ -13,45 +13,18 @@ import logging
 import queue
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Collection, Optional, Sequence
 
 import torch
 
 from accessory.generation.constraints import ConstraintError
+from accessory.generation.plan import Joining, Plan, RowResult
 from accessory.generation.requests import FINISH_CODES, FINISH_REASONS, Event, Request, TokenLogprob
 from accessory.generation.sampling import NAN_LOGITS, Candidates, SamplingError, sample
 from accessory.generation.speculative import accepted_count
 from accessory.generation.vocab_slices import Merged, PositionLogprobs, RowRule
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One step, as the source rank decided it: `keep[j]` is the current row that becomes row j (rows not named
-    have finished), `tokens[j]` its next input token; `admit` are the prompts (token ids) of rows that join after
-    them, and `images` their images' pixels (one per prompt in admit, or None; empty when none has one);
-    `score`: prompts whose logits at every position the source rank wants (prompt log-probabilities). `done`:
-    nothing is left, the run ends. `results`: what the last step did to each of its rows, (the tokens that joined
-    the row's text: one, or with speculative decoding up to 1 + its proposals, or none; the FINISH_CODES of how it
-    ended or 0), and `admitted` the ids of the requests admitted: a Follower needs them to write the same events."""
-    keep: tuple[int, ...] = ()
-    tokens: tuple[int, ...] = ()
-    admit: tuple[tuple[int, ...], ...] = ()
-    done: bool = False
-    score: tuple[tuple[int, ...], ...] = ()
-    images: tuple[Optional[torch.Tensor], ...] = ()
-    results: tuple[tuple[tuple[int, ...], int], ...] = ()
-    admitted: tuple = ()
-    adapters: tuple[int, ...] = ()  # each admitted prompt's PEFT adapter (Request.adapter); empty when all are 0
-    rules: tuple[RowRule, ...] = ()  # each admitted prompt's sampling, which every rank applies to its vocabulary
-
-    @property
-    def moves(self) -> bool:
-        """Whether rows change places or join, or prompts are scored (else the kept rows are simply the first
-        len(keep), and nothing more is sent)."""
-        return bool(self.admit) or bool(self.score) or self.keep != tuple(range(len(self.keep)))
 
 
 class Scheduler:
@@ -94,7 +67,7 @@ class Scheduler:
         if logits is not None:
             self._sample(logits, proposals, events)
         self._read_inbox(events, wait=not self.active and not self.waiting and not self.closed)
-        results = tuple((tuple(r.pushed), FINISH_CODES[r.finish_reason]) for r in stepped)
+        results = tuple(RowResult(tuple(r.pushed), FINISH_CODES[r.finish_reason]) for r in stepped)
         rows = {r.id for r in stepped}
         self.extras = tuple(e for e in events if e.id not in rows or e.error is not None or e.logprobs
                             or e.prompt_logprobs is not None)
@@ -112,12 +85,9 @@ class Scheduler:
         self.active += admitted
         done = self.closed and not self.active and not self.waiting
         self.scoring = [r for r in admitted if r.params.prompt_logprobs is not None]
-        images = tuple(r.image for r in admitted) if any(r.image is not None for r in admitted) else ()
-        plan = Plan(tuple(keep), tuple(r.generated[-1] for r in self.active[:len(keep)]),
-                    tuple(tuple(r.tokens) for r in admitted), done, tuple(tuple(r.tokens) for r in self.scoring),
-                    images, results, tuple(r.id for r in admitted),
-                    tuple(r.adapter for r in admitted) if any(r.adapter for r in admitted) else (),
-                    tuple(RowRule(r.params, r.matcher is not None) for r in admitted))
+        plan = Plan(keep=tuple(keep), tokens=tuple(r.generated[-1] for r in self.active[:len(keep)]),
+                    joining=_joining(admitted), score=tuple(tuple(r.tokens) for r in self.scoring),
+                    results=results, done=done)
         return plan, events
 
     def masks(self, proposals: Sequence[tuple[int, ...]], slots: int) -> Optional[torch.Tensor]:
@@ -259,7 +229,7 @@ class Follower:
             else:
                 request.emit(events)
         self.active = [self.active[row] for row in plan.keep]
-        for request_id in plan.admitted:
+        for request_id in plan.joining.ids:
             self.requests[request_id].start_text(self.tokenizer)
             self.active.append(self.requests[request_id])
         # the source rank's own events where they hold more than the tokens tell
@@ -282,6 +252,15 @@ def token_logprob(candidates: Candidates, token: int, top: int) -> TokenLogprob:
     value = candidates.raw[(candidates.ids == token).nonzero()[0, 0]]
     best = tuple(zip(candidates.top_ids[:top].tolist(), (candidates.top_values[:top] - candidates.raw_lse).tolist()))
     return TokenLogprob(token, float(value - candidates.raw_lse), best)
+
+
+def _joining(admitted: list[Request]) -> Joining:
+    images = tuple(r.image for r in admitted)
+    adapters = tuple(r.adapter for r in admitted)
+    return Joining(prompts=tuple(tuple(r.tokens) for r in admitted), ids=tuple(r.id for r in admitted),
+                   images=images if any(i is not None for i in images) else (),
+                   adapters=adapters if any(adapters) else (),
+                   rules=tuple(RowRule(r.params, r.matcher is not None) for r in admitted))
 
 
 def _allows(bits: torch.Tensor, token: int) -> bool:

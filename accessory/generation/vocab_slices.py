@@ -72,7 +72,7 @@ class VocabSlice:
             self.rows.append((rule, penalties))
 
     def observe(self, results) -> None:
-        """The tokens each row of the last step kept (a plan's `results`), for the penalties."""
+        """The tokens each row of the last step kept (a plan's `results`: plan.RowResult), for the penalties."""
         for (_, penalties), (tokens, _) in zip(self.rows, results):
             if penalties is not None:
                 for token in tokens:

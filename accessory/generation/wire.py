@@ -12,12 +12,13 @@ grows with the length of the output.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
 
 from accessory.errors import CollectivesOutOfStep, RanksDisagree
-from accessory.generation.scheduler import Plan
+from accessory.generation.plan import Plan, RowResult
 from accessory.parallel.watchdog import announce_failure, await_verdict_on_silent_ranks
 
 RUN, DONE, FAILED = 0, 1, 2  # the status of a step, as sent
@@ -41,18 +42,16 @@ def share_plan(ctx, plan: Optional[Plan], error: Optional[Exception], rows: int,
             raise error
         raise RuntimeError(f"model-parallel source rank failed: {message}")
     stepped, codes, counts, tokens = values[STEPPED], HEADER, HEADER + rows, HEADER + 2 * rows
-    results = tuple((tuple(values[tokens + row * width:tokens + row * width + values[counts + row]]),
-                     values[codes + row]) for row in range(stepped))
-    keep, admit, score, images, admitted, adapters, rules = tuple(range(values[KEPT])), (), (), (), (), (), ()
-    if values[MOVES]:  # the batch changes: the second message (with the joining rows' adapters and sampling)
-        keep, admit, score, images, admitted, adapters, rules = ctx.broadcast_object(
-            (plan.keep, plan.admit, plan.score, plan.images, plan.admitted, plan.adapters, plan.rules)
-            if ctx.is_source else None)
+    results = tuple(RowResult(tuple(values[tokens + row * width:tokens + row * width + values[counts + row]]),
+                              values[codes + row]) for row in range(stepped))
+    moved = Plan(keep=tuple(range(values[KEPT])))
+    if values[MOVES]:  # the batch changes: the second message (which rows stay, the joining prompts, the scored ones)
+        moved = ctx.broadcast_object(Plan(keep=plan.keep, joining=plan.joining, score=plan.score)
+                                     if ctx.is_source else None)
     if values[EXTRAS]:
         extras = ctx.broadcast_object(extras if ctx.is_source else None)
-    next_tokens = tuple(results[row][0][-1] for row in keep)
-    return Plan(keep, next_tokens, admit, values[STATUS] == DONE, score, images, results, admitted,
-                adapters, rules), extras
+    next_tokens = tuple(results[row].tokens[-1] for row in moved.keep)
+    return replace(moved, tokens=next_tokens, results=results, done=values[STATUS] == DONE), extras
 
 
 def _header(ctx, plan: Optional[Plan], error: Optional[Exception], rows: int, extras: tuple, place: int,

@@ -3,7 +3,7 @@ llama3 and yarn scaling), the KV cache (whole, or a ring holding a sliding windo
 per-head q/k norm, a query scale, a sliding window), the gated feed-forward (SiLU or GELU-tanh) and the mixture of
 experts (a router over gated feed-forwards, the experts spread over ranks).
 
-Model files (model/LLM/<type>.py) only wire these; there is one implementation of each idea. The blocks read what
+Model files (network/LLM/<type>.py) only wire these; there is one implementation of each idea. The blocks read what
 they need from the family's ModelArgs (`args`): sizes, and its traits (`qkv_bias`, `qk_norm`, `norm_offset`, ...).
 
 Attention runs three ways, all on the same weights:

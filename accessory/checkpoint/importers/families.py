@@ -1,6 +1,6 @@
 """Each model family's importer mapping: how its HF folders and llama.cpp GGUF files name its tensors and config,
 on top of LLaMA's (hf.py `HF_TO_META`, gguf.py `GGUF_TO_META`). Adding a family is one model file
-(model/LLM/<type>.py), one `Family` here, and one test (docs/adding-a-model.md).
+(network/LLM/<type>.py), one `Family` here, and one test (docs/adding-a-model.md).
 
 Canonical names beyond LLaMA's: `layers.N.attention.w{q,k,v}.bias` (qkv bias), `layers.N.attention.{q,k}_norm.weight`
 (q/k norm), `layers.N.post_attention_norm.weight` and `layers.N.post_ffn_norm.weight` (sandwich norms). q and k (their

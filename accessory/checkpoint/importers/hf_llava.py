@@ -1,5 +1,5 @@
 """HF LLaVA folders (`LlavaForConditionalGeneration`: vision tower, multi-modal projector, language model) ->
-canonical form, llama_type "llava" (model/LLM/llava.py).
+canonical form, llama_type "llava" (network/LLM/llava.py).
 
 Three layouts of names are read, as transformers has saved them over the years: `vision_tower.vision_model.*`,
 `multi_modal_projector.*`, `language_model.model.*` and `language_model.lm_head.weight` (llava-1.5-*-hf on the Hub);

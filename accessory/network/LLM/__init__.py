@@ -1,5 +1,5 @@
 """Registry of model types (`llama_type` in meta.json). One file per type, named as the type (LLaMA2-Accessory's
-convention); types share model/components.py (docs/adding-a-model.md)."""
+convention); types share network/components.py (docs/adding-a-model.md)."""
 import importlib
 
 from accessory.errors import ConfigError

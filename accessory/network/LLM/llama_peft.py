@@ -1,5 +1,5 @@
-"""LLaMA with LoRA and bias tuning (llama_type "llama_peft"), as LLaMA2-Accessory defines it in
-`accessory/model/LLM/llama_peft.py` and `accessory/model/peft.py`: the llama model with every block linear (wq wk wv
+"""LLaMA with LoRA and bias tuning (llama_type "llama_peft"), as defined in
+LLaMA2-Accessory's `accessory/model/LLM/llama_peft.py` and `accessory/model/peft.py`: the llama model with every block linear (wq wk wv
 wo w1 w2 w3) made LoRA- and bias-capable; embeddings, norms and the output projection are llama's.
 
 Checkpoint names per linear, e.g. `layers.0.attention.wq.`: `weight`, `bias` (with bias_tuning), `lora_a.weight`

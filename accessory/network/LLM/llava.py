@@ -1,4 +1,4 @@
-"""LLaVA (llama_type "llava"): a vision tower and a projector (model/vision.py) in front of the llama language model.
+"""LLaVA (llama_type "llava"): a vision tower and a projector (network/vision.py) in front of the llama language model.
 
 An image becomes `image_tokens` embeddings that take the places of as many image tokens (`image_token_index`) in the
 prompt, as in HF's LlavaForConditionalGeneration; `MetaModel.encode_prompt` puts them where the prompt's "<image>"

@@ -13,7 +13,6 @@ from accessory.batch.errors import BatchInputError
 from accessory.batch.rendering import Job
 from accessory.batch.options import BatchOptions
 from accessory.batch.output import OutputFiles, PartWriter, output_row
-from accessory.batch.ranks import on_rank0
 from accessory.batch.summary import GroupStats
 from accessory.data.images import ImageError, read_image_file
 from accessory.generation.requests import Event
@@ -86,7 +85,7 @@ def chunk_images(model, jobs: list[Job], transform: str) -> Optional[list]:
         except ImageError as e:
             raise BatchInputError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
 
-    return on_rank0(model.ctx, lambda: [read(job) for job in jobs])
+    return model.ctx.on_rank0(lambda: [read(job) for job in jobs])
 
 
 def image_pixels(model, image, transform: str, what: str) -> torch.Tensor:

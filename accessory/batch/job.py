@@ -12,7 +12,7 @@ from accessory.batch.rendering import Job, check_room, render_jobs
 from accessory.batch.options import BatchOptions
 from accessory.batch.output import OutputFiles
 from accessory.batch.plan import JobPlan, prepare, split_jobs
-from accessory.batch.ranks import everyone_agrees, on_rank0, scatter_to_groups
+from accessory.batch.ranks import scatter_to_groups
 from accessory.batch.records import Record
 from accessory.batch.summary import GroupStats, format_summary
 from accessory.parallel.context import ParallelContext, data_parallel_layout
@@ -25,10 +25,11 @@ def run_batch(options: BatchOptions, sampling: dict, load_model: Callable) -> No
     world = ParallelContext.from_group(None)
     leader = world.rank == 0
     files = OutputFiles(options.output)
-    plan = on_rank0(world, lambda: _prepare_and_mark_shared(options, sampling["max_gen_len"]))
+    plan = world.on_rank0(lambda: _prepare_and_mark_shared(options, sampling["max_gen_len"]))
     pending, nonce = world.broadcast_object((len(plan.pending), plan.check_nonce) if leader else None)
     try:  # each group's source must see the file rank 0 wrote: parts only one machine sees would miss the merge
-        everyone_agrees(world, files.shared_check_error(nonce, layout.dp_rank) if layout.mp_rank == 0 else None)
+        unseen = files.shared_check_error(nonce, layout.dp_rank) if layout.mp_rank == 0 else None
+        world.raise_if_any_failed(unseen, quiet=True)
     finally:
         if leader:
             files.shared_check.unlink()
@@ -36,8 +37,8 @@ def run_batch(options: BatchOptions, sampling: dict, load_model: Callable) -> No
     if pending:
         model = load_model(layout.mp_group)
         options = replace(options, batch_size=model.max_batch_size)  # "auto" is a number once the model is loaded
-        jobs, encode_s = on_rank0(world, lambda: _timed(_rendered, model, plan.pending, options,
-                                                        sampling["max_gen_len"])) or (None, 0.0)
+        jobs, encode_s = world.on_rank0(lambda: _timed(_rendered, model, plan.pending, options,
+                                                       sampling["max_gen_len"])) or (None, 0.0)
         mine = scatter_to_groups(world, layout, split_jobs(jobs, layout.dp_size, sampling["max_gen_len"])
                                  if leader else None)
         meter = EnergyMeter(options.country_iso_code)

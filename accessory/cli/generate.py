@@ -35,7 +35,6 @@ def read_image(args):
     file stops every rank, with one message."""
     if not getattr(args, "image", None):
         return None
-    from accessory.batch.ranks import on_rank0
     from accessory.data.images import ImageError, read_image_file
     from accessory.parallel import ParallelContext
 
@@ -45,7 +44,7 @@ def read_image(args):
         except ImageError as e:
             raise ImageError(f"--image {e}") from None
 
-    return on_rank0(ParallelContext.from_group(None), read)
+    return ParallelContext.from_group(None).on_rank0(read)
 
 
 def image_pixels_of(model, image, args):
@@ -54,7 +53,6 @@ def image_pixels_of(model, image, args):
     if not getattr(args, "image", None):
         return None
     from accessory.batch.group import image_pixels
-    from accessory.batch.ranks import on_rank0
     from accessory.data.images import ImageError
 
     def pixels():
@@ -63,7 +61,7 @@ def image_pixels_of(model, image, args):
                              f"vision-language checkpoint (llama_type llava) reads images")
         return image_pixels(model, image, args.image_transform, f"--image {args.image}")
 
-    return on_rank0(model.ctx, pixels)
+    return model.ctx.on_rank0(pixels)
 
 
 def with_image(messages: list[dict], args) -> list[dict]:

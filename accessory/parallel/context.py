@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -355,25 +355,33 @@ class ParallelContext:
         if self.world_size > 1:
             dist.barrier(group=self.group)
 
-    def raise_if_any_failed(self, error: Optional[BaseException]) -> None:
+    def raise_if_any_failed(self, error: Optional[BaseException], *, quiet: bool = False) -> None:
         """Collective: if any rank hit an error, every rank raises, so no rank waits forever in a later collective.
 
-        The failing rank re-raises its own exception; the others raise one that names the failing rank and its
-        message.
+        The failing rank re-raises its own exception. The others raise one that names the failing rank and its
+        message or, with `quiet`, exit 2 without a word: a command's user then reads one message, not one per rank.
         """
-        if self.world_size == 1:
-            if error is not None:
-                raise error
-            return
-        reports = [None] * self.world_size
-        mine = None if error is None else f"{type(error).__name__}: {error}"
-        dist.all_gather_object(reports, mine, group=self.group)
+        reports = self.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
         if error is not None:
             raise error
         failed = [(rank, msg) for rank, msg in enumerate(reports) if msg is not None]
+        if failed and quiet:
+            raise SystemExit(2)
         if failed:
             rank, msg = failed[0]
             raise RuntimeError(f"model-parallel rank {rank} failed: {msg}")
+
+    def on_rank0(self, fn: Callable[[], Any]) -> Any:
+        """fn() on the group's rank 0 alone (None elsewhere); if it raises, every rank stops, the others quietly
+        (`raise_if_any_failed`)."""
+        result, error = None, None
+        if self.rank == 0:
+            try:
+                result = fn()
+            except Exception as e:  # every rank must hear of it, or the others would wait forever
+                error = e
+        self.raise_if_any_failed(error, quiet=True)
+        return result
 
 
 @contextmanager

@@ -24,7 +24,7 @@ from typing import Optional
 from accessory.batch.errors import BatchInputError
 from accessory.batch.rendering import Job
 from accessory.batch.records import Record, is_record_id
-from accessory.generation.requests import Event
+from accessory.generation.requests import Event, fits_window
 
 log = logging.getLogger(__name__)
 
@@ -158,5 +158,5 @@ def output_row(job: Job, event: Event, max_gen_len: int, max_seq_len: int) -> di
     row = {"id": job.id, "output": event.text, "finish_reason": event.finish_reason,
            "prompt_tokens": job.prompt_tokens, "output_tokens": event.completion_tokens,
            # the engine keeps a too-long prompt's last tokens (with a warning); say so where the answer is
-           "prompt_truncated": job.prompt_tokens + max_gen_len > max_seq_len}
+           "prompt_truncated": not fits_window(job.prompt_tokens, max_gen_len, max_seq_len)}
     return {**row, "error": event.error} if event.error else row

@@ -11,6 +11,7 @@ from typing import Callable, Optional
 from accessory.batch.errors import BatchInputError
 from accessory.batch.records import Record, RecordId
 from accessory.errors import AccessoryError
+from accessory.generation.requests import IMAGE_NEVER_CUT, check_window
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,7 @@ def _text_only(tokenizer) -> Callable:
 def check_room(jobs: list[Job], max_gen_len: int, max_seq_len: int) -> None:
     """A prompt with an image is never truncated (that would cut the image): it must fit whole with max_gen_len."""
     for job in jobs:
-        if job.image is not None and job.prompt_tokens + max_gen_len > max_seq_len:
-            raise BatchInputError(f"input line {job.line}: record {job.id!r}: its prompt with its image is "
-                                  f"{job.prompt_tokens} tokens; with --max_gen_len {max_gen_len} at most "
-                                  f"{max_seq_len - max_gen_len} fit in --max_seq_len {max_seq_len}, and a prompt "
-                                  f"with an image is never truncated")
+        if job.image is not None:
+            check_window(job.prompt_tokens, max_gen_len, max_seq_len, f"input line {job.line}: record {job.id!r}: "
+                         f"its prompt with its image", names=("--max_gen_len", "--max_seq_len"), why=IMAGE_NEVER_CUT,
+                         error=BatchInputError)

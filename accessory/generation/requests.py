@@ -59,9 +59,35 @@ def row_seeds(seed: int, n: int) -> list[int]:
     return torch.randint(0, 2 ** 62, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def fit_prompt(tokens: list[int], params: SamplingParams, max_seq_len: int, truncate: str, row: int) -> list[int]:
+IMAGE_NEVER_CUT = ", and a prompt with an image is never truncated"  # that would cut the image
+
+
+def fits_window(prompt_tokens: int, max_gen_len: int, max_seq_len: int) -> bool:
+    """Whether a prompt of `prompt_tokens` leaves room for max_gen_len generated tokens in max_seq_len."""
+    return prompt_tokens + max_gen_len <= max_seq_len
+
+
+def check_window(prompt_tokens: int, max_gen_len: int, max_seq_len: int, which: str, *,
+                 names: tuple[Optional[str], str] = ("max_gen_len", "max_seq_len"), why: str = "",
+                 error: type[ValueError] = ValueError) -> None:
+    """Raises `error` unless `which`, a prompt of `prompt_tokens`, fits the window with max_gen_len generated tokens.
+    The message calls the two settings what the caller's user knows them as (`names`; None: the generated tokens'
+    count has no name there) and ends with `why`."""
+    if fits_window(prompt_tokens, max_gen_len, max_seq_len):
+        return
+    gen_name, window_name = names
+    generating = f"{gen_name} {max_gen_len}" if gen_name else f"{max_gen_len} to generate"
+    raise error(f"{which} has {prompt_tokens} tokens; with {generating} at most {max_seq_len - max_gen_len} fit in "
+                f"{window_name} {max_seq_len}{why}")
+
+
+def fit_prompt(tokens: list[int], params: SamplingParams, max_seq_len: int, truncate: str, row: int,
+               image_tokens: int = 0) -> list[int]:
     """The long-input policy: a prompt plus max_gen_len must fit in max_seq_len. "left" keeps the prompt's last
-    tokens (with a warning); "error" raises."""
+    tokens (with a warning); "error" raises. A prompt with an image (`image_tokens` of its tokens) must fit whole."""
+    if image_tokens:
+        check_window(len(tokens), params.max_gen_len, max_seq_len, f"prompt {row} with its image ({image_tokens} "
+                     f"tokens)", why=IMAGE_NEVER_CUT)
     if truncate not in TRUNCATE_POLICIES:
         raise ValueError(f"truncate must be one of {TRUNCATE_POLICIES}, got {truncate!r}")
     room = max_seq_len - params.max_gen_len
@@ -69,9 +95,9 @@ def fit_prompt(tokens: list[int], params: SamplingParams, max_seq_len: int, trun
         raise ValueError(f"max_gen_len ({params.max_gen_len}) must be below max_seq_len ({max_seq_len})")
     if len(tokens) <= room:
         return tokens
-    if truncate == "error":
-        raise ValueError(f"prompt {row} has {len(tokens)} tokens; with max_gen_len {params.max_gen_len} at most "
-                         f"{room} fit in max_seq_len {max_seq_len} (pass truncate='left' to keep its end)")
+    if truncate == "error":  # raises: the prompt does not fit
+        check_window(len(tokens), params.max_gen_len, max_seq_len, f"prompt {row}",
+                     why=" (pass truncate='left' to keep its end)")
     log.warning("prompt %d: %d tokens do not fit with max_gen_len %d in max_seq_len %d; keeping the last %d",
                 row, len(tokens), params.max_gen_len, max_seq_len, room)
     return tokens[-room:]

@@ -23,9 +23,8 @@ def requests_for(model, prompts: list[str], images, params: SamplingParams, stop
     requests = []
     for row, (prompt, image, row_seed) in enumerate(zip(prompts, images, row_seeds(seed, len(prompts)))):
         tokens = encode_prompt(model, prompt, image is not None)
-        if image is not None:
-            check_room(model, tokens, params, row)  # an image is never cut: its prompt must fit whole
-        tokens = fit_prompt(tokens, params, model.llma.args.max_seq_len, truncate, row)
+        tokens = fit_prompt(tokens, params, model.llma.args.max_seq_len, truncate, row,
+                            model.llma.image_tokens if image is not None else 0)
         if not tokens:
             raise ValueError(f"prompt {row} is empty after tokenization")
         requests.append(Request(row, tokens, params, row_seed, stops[row], image=image))
@@ -81,14 +80,6 @@ def checked_images(model, images, count: int) -> list:
                          f"vision-language checkpoint (llama_type 'llava') reads images")
     channels = model.llma.args.vision["num_channels"]
     return optional_pixels(images, count, channels, model.llma.image_size, "images")
-
-
-def check_room(model, tokens: list[int], params: SamplingParams, row: int) -> None:
-    room = model.llma.args.max_seq_len - params.max_gen_len
-    if len(tokens) > room:
-        raise ValueError(f"prompt {row} with its image is {len(tokens)} tokens ({model.llma.image_tokens} of them "
-                         f"the image's); with max_gen_len {params.max_gen_len} at most {room} fit in max_seq_len "
-                         f"{model.llma.args.max_seq_len}, and a prompt with an image is never truncated")
 
 
 def stops_per_prompt(stop_strings, n: int) -> list[list[str]]:

@@ -25,7 +25,7 @@ from accessory.generation import constraints
 from accessory.generation.chat import render_chat
 from accessory.generation.constraints import Constraint
 from accessory.generation.sampling import SamplingParams
-from accessory.generation.requests import Event, Request, row_seeds
+from accessory.generation.requests import Event, Request, check_window, row_seeds
 from accessory.network.memory import return_freed_memory
 from accessory.parallel.watchdog import active_watchdog
 from accessory.serve.metrics import Timing
@@ -236,12 +236,8 @@ class GenerationService:
         which = "the prompt" if index is None else f"prompt {index}"
         if not tokens:
             raise ValueError(f"{which} is empty")
-        if len(tokens) >= self.columns:
-            raise ValueError(f"{which} has {len(tokens)} tokens; this model's max_seq_len is {self.columns}")
-        params = SamplingParams(**{"max_gen_len": self.columns - len(tokens), **sampling})
-        if len(tokens) + params.max_gen_len > self.columns:
-            raise ValueError(f"{which} has {len(tokens)} tokens and at most {params.max_gen_len} may be "
-                             f"generated: together more than this model's max_seq_len, {self.columns}")
+        params = SamplingParams(**{"max_gen_len": max(self.columns - len(tokens), 1), **sampling})
+        check_window(len(tokens), params.max_gen_len, self.columns, which, names=(None, "this model's max_seq_len"))
         return params
 
     def _matcher(self, constraint: Optional[Constraint]):

@@ -17,6 +17,7 @@ from accessory.batch.summary import GroupStats
 from accessory.data.images import ImageError, read_image_file
 from accessory.generation.requests import Event
 from accessory.parallel.context import GroupLayout
+from accessory.runtime.images import image_pixels
 
 CHUNK_BATCHES = 16  # records per stream_generate call, in units of --batch_size: bounds the per-step event list
 
@@ -81,17 +82,9 @@ def chunk_images(model, jobs: list[Job], transform: str) -> Optional[list]:
             return None
         where = f"input line {job.line}: record {job.id!r}: \"image\""
         try:
-            return image_pixels(model, read_image_file(job.image), transform, where)
+            return image_pixels(model, lambda: read_image_file(job.image), transform, where)
         except ImageError as e:
-            raise BatchInputError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
+            raise BatchInputError(str(e)) from None
 
     return model.ctx.on_rank0(lambda: [read(job) for job in jobs])
 
-
-def image_pixels(model, image, transform: str, what: str) -> torch.Tensor:
-    """A PIL `image` as `model`'s pixels, by the transform named `transform`; its refusal (an image too large for
-    it) names `what`."""
-    try:
-        return model.image_transform(transform)(image)
-    except ImageError as e:
-        raise ImageError(f"{what}: {e}") from None

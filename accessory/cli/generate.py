@@ -52,14 +52,14 @@ def image_pixels_of(model, image, args):
     them), or None without --image."""
     if not getattr(args, "image", None):
         return None
-    from accessory.batch.group import image_pixels
     from accessory.data.images import ImageError
+    from accessory.runtime.images import image_pixels
 
     def pixels():
         if not model.llma.image_tokens:
             raise ImageError(f"--image {args.image}: this model ({model.llama_type}) reads text only; a "
                              f"vision-language checkpoint (llama_type llava) reads images")
-        return image_pixels(model, image, args.image_transform, f"--image {args.image}")
+        return image_pixels(model, lambda: image, args.image_transform, f"--image {args.image}")
 
     return model.ctx.on_rank0(pixels)
 

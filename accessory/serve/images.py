@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from accessory.data.images import ImageError, ImageLimits, image_from_url
+from accessory.runtime.images import image_pixels as pixels_of
 from accessory.serve.api_errors import APIError
 
 
@@ -33,9 +34,8 @@ class ImageRef:
 def image_pixels(model, image: ImageRef, options: ImageOptions) -> torch.Tensor:
     """The image's pixels for `model` (decoding is CPU work: call this in a worker thread); a bad image is a 400
     naming its field."""
+    read = lambda: image_from_url(image.url, image.field, options.limits, options.allow_local_files)  # noqa: E731
     try:
-        decoded = image_from_url(image.url, image.field, options.limits, options.allow_local_files)
-        return model.image_transform(options.transform)(decoded)
+        return pixels_of(model, read, options.transform, image.field)
     except ImageError as e:
-        message = str(e) if str(e).startswith(image.field) else f"{image.field}: {e}"  # the transform's: unnamed
-        raise APIError(400, message, param=image.field) from None
+        raise APIError(400, str(e), param=image.field) from None

@@ -8,6 +8,7 @@ from typing import Optional
 
 from accessory.config_file import add_config_arg, parsers, verb_parsers
 from accessory.errors import AccessoryError
+from accessory.runtime.load_options import LoadOptions
 
 
 def add_image_args(parser: argparse.ArgumentParser, file_help: Optional[str] = None):
@@ -64,7 +65,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--lora", metavar="PATH", help="a Hugging Face PEFT LoRA adapter folder (adapter_config.json + "
                        "adapter_model.safetensors) applied to every request, unmerged and in float (a quantized "
                        "base stays quantized); `accessory weights merge-lora` writes it merged (default: none)")
-    model.add_argument("--max_seq_len", type=positive_int, default=4096)
+    model.add_argument("--max_seq_len", type=positive_int, default=LoadOptions.max_seq_len)
     model.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: bf16 on CUDA, fp32 on CPU")
     model.add_argument("--device", help="default: cuda if available, else cpu")
     model.add_argument("--quant", nargs="?", const="int8", choices=["int8", "int4"],
@@ -72,10 +73,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        "in int4, the embedding in int8); a quantized checkpoint loads in its own format. With the "
                        "built-in model, int4 runs the GGUF file's own Q4_1 bits")
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--rank-timeout", type=positive_float, default=60.0,
+    engine.add_argument("--rank-timeout", type=positive_float, default=LoadOptions.rank_timeout,
                         help="seconds after which a rank that stopped answering (frozen, lost) ends every rank, "
                         "named in the log (exit status 3); under torchrun only")
-    engine.add_argument("--max_batch_size", type=rows_or_auto, default=32,
+    engine.add_argument("--max_batch_size", type=rows_or_auto, default=LoadOptions.max_batch_size,
                         help="rows decoded together; more requests wait for a free row. auto: as many as the KV "
                         "cache at --max_seq_len fits in the memory each rank has once loaded, less a margin "
                         "(the arithmetic is logged)")
@@ -89,7 +90,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", help="prefill every prompt "
                         "in full (by default a prompt's start already in the KV cache is reused: a shared system "
                         "prompt, a chat's earlier turns)")
-    engine.add_argument("--prefix-cache-bytes", type=byte_size, default=256 << 20, metavar="SIZE",
+    engine.add_argument("--prefix-cache-bytes", type=byte_size, default=LoadOptions.prefix_cache_bytes,
+                        metavar="SIZE",
                         help="per rank, the KV-cache memory for finished sequences kept for later prompts to reuse, "
                         "e.g. 1GB (default: 256MiB, at most as many rows as --max_batch_size)")
 

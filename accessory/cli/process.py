@@ -71,16 +71,21 @@ def load_model(args, mp_group=None, warmup: bool = False):
             ensure_default_model(keep_bits)
         world_barrier()
         paths = [ensure_default_model(keep_bits)]
-    model = MetaModel.from_pretrained(paths, llama_type=args.llama_type, llama_config=args.llama_config,
-                                      tokenizer_path=args.tokenizer_path, max_seq_len=args.max_seq_len,
-                                      dtype=args.dtype, device=args.device, mp_group=mp_group, quant=args.quant,
-                                      max_batch_size=args.max_batch_size, compile=args.compile,
-                                      prefix_cache=args.prefix_cache, prefix_cache_bytes=args.prefix_cache_bytes,
-                                      rank_timeout=getattr(args, "rank_timeout", 60.0), warmup=warmup,
-                                      speculative_config=getattr(args, "speculative_config", None),
-                                      lora=getattr(args, "lora", None),
-                                      lora_modules=dict(getattr(args, "lora_modules", None) or ()))
+    model = MetaModel.from_options(load_options(args, paths, mp_group), warmup)
     if args.chat_template:
         model.tokenizer.set_chat_template(args.chat_template)
         model.stop_ids = model.tokenizer.chat_stop_ids  # EOS and the new template's end-of-turn token
     return model
+
+
+def load_options(args, paths, mp_group=None):
+    """The model flags of `args` (add_model_args' and serve's --lora-modules, named as LoadOptions' fields) as
+    LoadOptions for `paths` on `mp_group`; a flag an entry point's parser lacks keeps LoadOptions' default."""
+    from dataclasses import fields
+
+    from accessory.runtime.load_options import LoadOptions
+
+    given = {f.name: getattr(args, f.name) for f in fields(LoadOptions) if hasattr(args, f.name)}
+    if given.get("lora_modules") is not None:
+        given["lora_modules"] = dict(given["lora_modules"])  # NAME=PATH pairs
+    return LoadOptions(**{**given, "pretrained_path": paths, "mp_group": mp_group})

@@ -18,7 +18,8 @@ from accessory.generation.sampling import SamplingParams
 from accessory.generation.requests import Event
 from accessory.parallel import ParallelContext
 from accessory.runtime import prompts, scoring
-from accessory.runtime.loading import PathLike, load
+from accessory.runtime.load_options import LoadOptions, PathLike
+from accessory.runtime.loading import load
 from accessory.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -90,10 +91,17 @@ class MetaModel(nn.Module):
         `with_visual`: LLaMA2-Accessory's flag for a model that reads images. A vision-language checkpoint (llama_type
         "llava") loads its vision tower either way; with_visual=True on a text model is an error.
         """
-        loaded = load(pretrained_path, llama_type, llama_config, tokenizer_path, with_visual, max_seq_len, mp_group,
-                      dtype, device, quant, max_batch_size=max_batch_size, compile=compile, prefix_cache=prefix_cache,
-                      prefix_cache_bytes=prefix_cache_bytes, rank_timeout=rank_timeout,
-                      speculative_config=speculative_config, lora=lora, lora_modules=lora_modules)
+        return cls.from_options(LoadOptions(
+            pretrained_path=pretrained_path, llama_type=llama_type, llama_config=llama_config,
+            tokenizer_path=tokenizer_path, with_visual=with_visual, max_seq_len=max_seq_len, mp_group=mp_group,
+            dtype=dtype, device=device, quant=quant, max_batch_size=max_batch_size, compile=compile,
+            prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes, rank_timeout=rank_timeout,
+            speculative_config=speculative_config, lora=lora, lora_modules=lora_modules), warmup)
+
+    @classmethod
+    def from_options(cls, options: LoadOptions, warmup: bool = False) -> "MetaModel":
+        """`from_pretrained` with its arguments as one LoadOptions (what the command line builds from its flags)."""
+        loaded = load(options)
         model = cls(loaded.llma, loaded.tokenizer, loaded.llama_type, loaded.settings, loaded.draft,
                     loaded.adapter_names)
         if warmup:

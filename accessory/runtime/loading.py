@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -26,11 +26,11 @@ from accessory.parallel import ParallelContext, fairscale_model_parallel_group, 
 from accessory.parallel.context import leave_at_exit, warn_if_ranks_crowd_cores
 from accessory.parallel.layers import repack_int4_for_int8x
 from accessory.parallel.watchdog import start_watchdog
+from accessory.runtime.load_options import LoadOptions, PathLike
 from accessory.text.tokenizer import Tokenizer, find_tokenizer
 
 log = logging.getLogger(__name__)
 
-PathLike = Union[str, Path]
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
 
@@ -47,23 +47,18 @@ class Loaded:
     adapter_names: tuple[str, ...] = ()  # the per-request adapters (lora_modules): name of adapter 1, 2, ...
 
 
-def load(pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optional[str] = None,
-         llama_config: Optional[Sequence[PathLike]] = None, tokenizer_path: Optional[PathLike] = None,
-         with_visual: bool = False, max_seq_len: int = 4096, mp_group: Optional[torch.distributed.ProcessGroup] = None,
-         dtype: Union[None, str, torch.dtype] = None, device: Union[None, str, torch.device] = None,
-         quant: Union[bool, None, str] = False, *, max_batch_size: Union[int, str] = 32, compile: bool = False,
-         prefix_cache: bool = True, prefix_cache_bytes: int = EngineSettings.prefix_cache_bytes,
-         rank_timeout: float = 60.0, speculative_config: Optional[dict] = None, lora: Optional[PathLike] = None,
-         lora_modules: Optional[dict[str, PathLike]] = None) -> Loaded:
-    """`MetaModel.from_pretrained` without the warm-up (its docstring says what each argument means)."""
-    folders = [imported(Path(p)) for p in ([pretrained_path] if isinstance(pretrained_path, (str, Path))
-                                           else pretrained_path)]
-    speculative = SpeculativeConfig.from_dict(speculative_config)
-    auto_rows = max_batch_size == AUTO  # sized once the model is loaded (generation/batch_size.py)
-    settings = EngineSettings(max_batch_size=1 if auto_rows else max_batch_size, compile=compile,  # checked now
-                              prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes,
+def load(options: LoadOptions) -> Loaded:
+    """`MetaModel.from_pretrained` without the warm-up (its docstring says what each option means)."""
+    paths = options.pretrained_path
+    folders = [imported(Path(p)) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
+    compile, quant, rank_timeout = options.compile, options.quant, options.rank_timeout
+    speculative = SpeculativeConfig.from_dict(options.speculative_config)
+    auto_rows = options.max_batch_size == AUTO  # sized once the model is loaded (generation/batch_size.py)
+    settings = EngineSettings(max_batch_size=1 if auto_rows else options.max_batch_size, compile=compile,  # checked
+                              prefix_cache=options.prefix_cache, prefix_cache_bytes=options.prefix_cache_bytes,
                               speculative=speculative)
-    adapters = adapter_paths(lora, lora_modules, compile, speculative)
+    adapters = adapter_paths(options.lora, options.lora_modules, compile, speculative)
+    mp_group = options.mp_group
     if mp_group is None:
         init_distributed()  # a script started by torchrun needs no set-up of its own
         mp_group = fairscale_model_parallel_group()
@@ -74,15 +69,15 @@ def load(pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optio
     if ctx.world_size > 1:
         start_watchdog(rank_timeout)
         leave_at_exit(rank_timeout)
-    device = resolve_device(device)
-    dtype = resolve_dtype(dtype, device)
+    device = resolve_device(options.device)
+    dtype = resolve_dtype(options.dtype, device)
     if device.type == "cpu" and not compile:
         warn_if_ranks_crowd_cores(ctx)
 
-    spec = read_spec(folders, llama_type, [str(p) for p in llama_config or ()])
-    tokenizer = Tokenizer.from_path(tokenizer_path or found_tokenizer(folders))
+    spec = read_spec(folders, options.llama_type, [str(p) for p in options.llama_config or ()])
+    tokenizer = Tokenizer.from_path(options.tokenizer_path or found_tokenizer(folders))
     _, transformer = model_classes(spec.llama_type)
-    if with_visual and not hasattr(transformer, "image_features"):
+    if options.with_visual and not hasattr(transformer, "image_features"):
         raise ConfigError(f"with_visual=True, but {folders[-1]} holds a text model (llama_type "
                           f"{spec.llama_type!r}); vision-language checkpoints are llama_type 'llava' (import an "
                           f"HF LLaVA folder with `accessory convert hf`)")
@@ -91,14 +86,14 @@ def load(pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optio
         draft_folders = folders if speculative.model == "self" else [imported(Path(speculative.model))]
         if speculative.model == "self":
             check_self_draft(spec, quant, speculative.quant, folders[-1])
-    llma = load_network(folders, spec, tokenizer, ctx, max_seq_len, dtype, device, quant, adapters)
+    llma = load_network(folders, spec, tokenizer, ctx, options.max_seq_len, dtype, device, quant, adapters)
     draft = None
     if draft_folders is not None:
         draft_spec = spec
         if draft_folders is not folders:  # "self" reads the target's own files: nothing to compare
             draft_spec = read_spec(draft_folders, None, [])
             check_draft_tokenizer(tokenizer, draft_folders)
-        draft = load_network(draft_folders, draft_spec, tokenizer, ctx, max_seq_len, dtype, device,
+        draft = load_network(draft_folders, draft_spec, tokenizer, ctx, options.max_seq_len, dtype, device,
                              speculative.quant)
         added = repack_int4_for_int8x(draft)  # its proposals are verified: x in int8 is exact enough
         if added:
@@ -109,7 +104,7 @@ def load(pretrained_path: Union[PathLike, Sequence[PathLike]], llama_type: Optio
     if auto_rows:
         reserved = settings.prefix_cache_bytes if settings.prefix_cache else 0
         settings = replace(settings, max_batch_size=auto_batch_size(llma, reserved))
-    return Loaded(llma, tokenizer, spec.llama_type, settings, draft, tuple(lora_modules or ()))
+    return Loaded(llma, tokenizer, spec.llama_type, settings, draft, tuple(options.lora_modules or ()))
 
 
 def adapter_paths(lora: Optional[PathLike], lora_modules: Optional[dict[str, PathLike]], compile: bool,

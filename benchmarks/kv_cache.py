@@ -1,6 +1,6 @@
 """KV-cache memory of a model with sliding-window layers, with its windows (a sliding layer's cache is a ring of its
 window) and without them (every layer caching every position): bytes one row takes at each context length, and the
-bytes `setup_caches` really allocates for `--rows` rows, on the model built from the checkpoint's config (weights
+bytes `KVCaches.allocate` really allocates for `--rows` rows, on the model built from the checkpoint's config (weights
 are not read; the model stays on the meta device but for its caches).
 
     python benchmarks/kv_cache.py [--checkpoint FOLDER_OR_GGUF] [--contexts 4096 32768] [--rows 1] [--dtype fp32]
@@ -42,15 +42,15 @@ def main() -> None:
 
 
 def _allocated(transformer, args, dtype, rows: int, context: int) -> int:
+    from accessory.network.kv_caches import KVCaches
     from accessory.parallel import ParallelContext
 
     with torch.device("meta"):
         model = transformer(args, ParallelContext(None, 0, 1, 0))
     # where the caches go (the model's dtype and device are its final norm's): the CPU, in this dtype
     model.norm.weight = torch.nn.Parameter(torch.empty(args.dim, dtype=dtype), requires_grad=False)
-    model.setup_caches(rows, context)
-    allocated = model.cache_nbytes
-    assert allocated == rows * model.cache_row_nbytes(context)
+    allocated = sum(cache.nbytes for cache in KVCaches.allocate(model, rows, context).layers)
+    assert allocated == rows * KVCaches.row_nbytes(model, context)
     return allocated
 
 

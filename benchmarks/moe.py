@@ -54,23 +54,23 @@ def build(llama_type: str, args: argparse.Namespace, quant: str | None):
 
 def decode_ms(model, rows: int, steps: int, compiled: bool) -> float:
     from accessory.network.components import Segment, decode_mask
+    from accessory.network.kv_caches import KVCaches
 
     columns = model.args.max_seq_len
-    model.setup_caches(rows, columns)
+    caches = KVCaches.allocate(model, rows, columns)
     prompt = 8
     tokens = torch.randint(10, 32000, (rows * prompt,))
     with torch.inference_mode():
-        model.prefill(tokens, [Segment(r * prompt, prompt, r) for r in range(rows)])
+        model.prefill(tokens, [Segment(r * prompt, prompt, r) for r in range(rows)], caches)
         step = torch.compile(model.decode, dynamic=False) if compiled else model.decode
         times, token = [], torch.randint(10, 32000, (rows,))
         for i in range(steps + 3):
             positions = torch.full((rows,), prompt + i)
             start = time.perf_counter()
-            logits = step(token, positions, decode_mask(positions, columns))
+            logits = step(token, positions, decode_mask(positions, columns), caches)
             token = logits.argmax(-1)  # each step's token from the last: the routing follows the decoding
             if i >= 3:  # warm-up (and compilation)
                 times.append(time.perf_counter() - start)
-    model.free_caches()
     return 1000 * statistics.median(times)
 
 

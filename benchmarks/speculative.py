@@ -125,7 +125,7 @@ def report(form: str, kind: str, config: dict, plain, fast, prompts: list[str], 
     print(f"{form:10s} {kind:9s} {'compiled' if not args.eager else 'eager':8s} plain {tokens / total_plain:7.1f} "
           f"tok/s  speculative {tokens / total_fast:7.1f} tok/s  x{total_plain / total_fast:.2f} end to end, "
           f"x{decoding:.2f} after the first token  accepted {rate:.0%}  ({int(tokens)} tokens, identical)  "
-          f"{config}  costs {' '.join(f'{c:.2f}' for c in fast.engine.step_costs or ())}", flush=True)
+          f"{config}  costs {' '.join(f'{c:.2f}' for c in fast.engine.speculation.step_costs or ())}", flush=True)
 
 
 def llama_cpp_rows(plain, args) -> None:

@@ -49,8 +49,7 @@ def runs(model, rows: int) -> bool:
     except (RuntimeError, MemoryError):
         return False
     finally:
-        stream.close()
-        model.llma.free_caches()
+        stream.close()  # its caches go with `engine`
     raise AssertionError("the run ended before its third step")
 
 
@@ -84,6 +83,7 @@ def child(folder: str, told: int) -> None:
     and the bisection's."""
     from accessory.generation.batch_size import BUDGET_ENV, auto_batch_size
     from accessory.model.meta import MetaModel
+    from accessory.network.kv_caches import KVCaches
 
     logging.basicConfig(level=logging.INFO)  # auto's arithmetic, on stderr
     model = MetaModel.from_pretrained(folder, max_seq_len=MAX_SEQ_LEN, dtype="fp32", device="cpu",
@@ -92,7 +92,7 @@ def child(folder: str, told: int) -> None:
     resource.setrlimit(resource.RLIMIT_DATA, (data_bytes() + BUDGET, resource.RLIM_INFINITY))
     os.environ[BUDGET_ENV] = str(told)
     picked = auto_batch_size(model.llma, reserved=0)
-    fits = largest_that_runs(model, high=BUDGET // model.llma.cache_row_nbytes(MAX_SEQ_LEN) + 1)
+    fits = largest_that_runs(model, high=BUDGET // KVCaches.row_nbytes(model.llma, MAX_SEQ_LEN) + 1)
     print(json.dumps({"picked": picked, "fits": fits}), flush=True)
 
 

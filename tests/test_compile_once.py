@@ -37,6 +37,7 @@ PROCESS = """
 import json, logging, sys, torch
 from accessory.model.meta import MetaModel
 from accessory.network.components import decode_mask
+from accessory.network.kv_caches import KVCaches
 
 logging.basicConfig(level=logging.INFO)
 folder, quant, prompts, speculative = sys.argv[1], sys.argv[2] or None, json.loads(sys.argv[3]), json.loads(sys.argv[4])
@@ -50,16 +51,15 @@ model, engine = compiled.llma, compiled.engine
 
 def error_of(step, reference, tokens, positions):
     with torch.inference_mode():
-        model.setup_caches(3, 256)
-        caches = [layer.attention.cache for layer in model.layers]
+        caches = KVCaches.allocate(model, 3, 256)
         torch.manual_seed(0)
-        for cache in caches:
+        for cache in caches.layers:
             cache.k.normal_(), cache.v.normal_()
-        saved = [(cache.k.clone(), cache.v.clone()) for cache in caches]
-        packaged = step(tokens, positions, decode_mask(positions, 256))
-        for cache, (k, v) in zip(caches, saved):
+        saved = [(cache.k.clone(), cache.v.clone()) for cache in caches.layers]
+        packaged = step(tokens, positions, decode_mask(positions, 256), caches)
+        for cache, (k, v) in zip(caches.layers, saved):
             cache.k.copy_(k), cache.v.copy_(v)
-        expected = reference(tokens, positions, decode_mask(positions, 256))
+        expected = reference(tokens, positions, decode_mask(positions, 256), caches)
     return (packaged - expected).abs().max().item() / expected.abs().max().item()
 
 steps = [engine.decode_step]
@@ -182,16 +182,17 @@ def test_exporting_a_step_leaves_the_live_caches_marked(folders):
     """torch.export strips dynamo's size markings from its inputs, the live KV caches: they get them back (heads and
     head_dim static), or a torch.compile graph traced after a package was exported (several rows' verify step)
     takes those sizes for symbolic, and compiles again when the next run's cache comes, after the warm-up."""
-    from accessory.generation.step_export import export_step, layer_caches
+    from accessory.generation.step_export import export_step
     from accessory.model.meta import MetaModel
     from accessory.network.components import decode_mask
+    from accessory.network.kv_caches import KVCaches
 
     model = MetaModel.from_pretrained(folders[0], max_seq_len=64).llma
-    model.setup_caches(2, 64)
+    caches = KVCaches.allocate(model, 2, 64)
     positions = torch.tensor([3, 4])
     with torch.inference_mode():
-        export_step(model, "decode", torch.ones_like(positions), positions, decode_mask(positions, 64))
-    assert [getattr(c.k, "_dynamo_static_indices", None) for c in layer_caches(model)] == [{1, 3}] * len(model.layers)
+        export_step(model, "decode", torch.ones_like(positions), positions, decode_mask(positions, 64), caches)
+    assert [getattr(c.k, "_dynamo_static_indices", None) for c in caches.layers] == [{1, 3}] * len(model.layers)
 
 
 def test_the_source_fingerprint_is_the_code_the_process_started_with(monkeypatch):

@@ -107,8 +107,9 @@ def test_prefix_cache_reuses_through_a_ring(families):
     alone = [greedy_ids(model, [p], GEN_STEPS, engine=model.engine.configured(prefix_cache=False))[0]
              for p in (first, second)]
     assert together == alone
-    model.llma.setup_caches(2, 128)
-    assert [c.k.shape[2] for c in (layer.attention.cache for layer in model.llma.layers)] == [WINDOW] * 3 + [128]
+    from accessory.network.kv_caches import KVCaches
+
+    assert [c.k.shape[2] for c in KVCaches.allocate(model.llma, 2, 128).layers] == [WINDOW] * 3 + [128]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

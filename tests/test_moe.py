@@ -200,16 +200,17 @@ def test_compiled_equals_transformers(models):
     # the compiled step's logits equal eager decode's at 1 row (gathered) and 2 (all experts): the tokens alone
     # hardly depend on the experts in so small a model
     from accessory.network.components import Segment, decode_mask
+    from accessory.network.kv_caches import KVCaches
 
     llma, ids = model.llma, prompts()[1]
     with torch.inference_mode():
-        llma.setup_caches(2, 128)
-        llma.prefill(torch.tensor(ids + ids), [Segment(0, len(ids), 0), Segment(len(ids), len(ids), 1)])
+        caches = KVCaches.allocate(llma, 2, 128)
+        llma.prefill(torch.tensor(ids + ids), [Segment(0, len(ids), 0), Segment(len(ids), len(ids), 1)], caches)
         for rows in (1, 2):
             tokens, positions = torch.tensor([ids[-1], 5][:rows]), torch.full((rows,), len(ids))
             mask = decode_mask(positions, 64)
-            torch.testing.assert_close(model.engine.decode_step(tokens, positions, mask),
-                                       llma.decode(tokens, positions, mask), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(model.engine.decode_step(tokens, positions, mask, caches),
+                                       llma.decode(tokens, positions, mask, caches), atol=1e-4, rtol=1e-4)
 
 
 def test_accessory_layout_loads(accessory_mixtral, models):

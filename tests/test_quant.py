@@ -206,6 +206,7 @@ def test_attention_in_one_call_equals_its_steps(case, monkeypatch):
 
     from accessory.kernels import cpu_kernels, dispatch
     from accessory.network import components
+    from accessory.network.kv_caches import KVCache
     from accessory.parallel import ParallelContext
 
     assert cpu_kernels()
@@ -218,17 +219,17 @@ def test_attention_in_one_call_equals_its_steps(case, monkeypatch):
     for param in attention.parameters():
         param.copy_(torch.randn(param.shape, generator=generator) / 4)
     attention.fuse()
-    attention.cache = components.KVCache(rows + 1, kv_heads, columns, head_dim, torch.float32, "cpu", ring=bool(window))
-    earlier = torch.randn(2, *attention.cache.k.shape, generator=generator)
+    cache = KVCache.allocate(rows + 1, kv_heads, columns, head_dim, torch.float32, "cpu", ring=bool(window))
+    earlier = torch.randn(2, *cache.k.shape, generator=generator)
     positions = torch.tensor(first)[:, None] + torch.arange(length)
     table = components.rope_table(components.base_frequencies(head_dim, 10000.0), 256, "cpu")
     x = torch.randn(rows, length, 96, generator=generator)
     mask = components.decode_mask(positions if not window else positions[:, -1], columns)
 
     def decoded(rotations):
-        attention.cache.k.copy_(earlier[0]), attention.cache.v.copy_(earlier[1])
-        out = attention.decode(x, rotations, positions, mask)
-        return out, attention.cache.k.clone(), attention.cache.v.clone()
+        cache.k.copy_(earlier[0]), cache.v.copy_(earlier[1])
+        out = attention.decode(x, rotations, positions, mask, cache)
+        return out, cache.k.clone(), cache.v.clone()
 
     def ran(rotations, operator):
         with torch.profiler.profile() as profiled:

@@ -110,7 +110,7 @@ def fixed_costs(*models):
     proposed and accepted tokens (never the tokens)."""
     for model in models:
         most = model.engine.settings.speculative.num_speculative_tokens
-        model.engine.step_costs = tuple(1.0 + k / 10 for k in range(most + 1))
+        model.engine.speculation.step_costs = tuple(1.0 + k / 10 for k in range(most + 1))
     return models
 
 
@@ -127,7 +127,8 @@ def test_greedy_output_is_plain_decodings_token_for_token(smol, method, monkeypa
     if method == "self-int4":  # the target's own weights as the draft take its keys and values: never a prefill,
         # and never a pass of several tokens to catch up (only the target's next token is fed, then each proposal)
         monkeypatch.setattr(model.engine.draft_model, "prefill", lambda *_: pytest.fail("the self-draft prefilled"))
-        monkeypatch.setattr(model.engine.draft, "verify_step", lambda *_: pytest.fail("the self-draft caught up"))
+        monkeypatch.setattr(model.engine.speculation.draft, "verify_step",
+                            lambda *_: pytest.fail("the self-draft caught up"))
     tokens = [model.tokenizer.encode(p, bos=True, eos=False) for p in prompts_of(model)]
     expected, stats = greedy_ids(plain, tokens, 40), []
     assert greedy_ids(model, tokens, 40, stats=stats) == expected  # batched: rows that accept and rows that do not
@@ -425,12 +426,12 @@ def test_the_command_line_flag_speculates_and_answers_as_plain_decoding(smol, sm
 def test_an_engine_configured_anew_shares_the_costs_measured_once(tiny_checkpoints, monkeypatch):
     """Step costs are measured on the engine a configured one comes from, once: later engines configured from it
     (greedy_ids makes one a run) take the same figures without timing any step again."""
-    from accessory.generation import engine as engine_module
+    from accessory.generation import speculation
     from accessory.model.meta import MetaModel
 
     model = MetaModel.from_pretrained(tiny_checkpoints["mha", 1], max_seq_len=64, speculative_config=NGRAM)
-    assert model.engine.step_costs is None
+    assert model.engine.speculation.step_costs is None
     first = model.engine.configured(max_batch_size=2)
-    assert first.step_costs is model.engine.step_costs is not None
-    monkeypatch.setattr(engine_module, "step_seconds", lambda *_: pytest.fail("the costs were measured again"))
-    assert model.engine.configured(max_batch_size=3).step_costs is model.engine.step_costs
+    assert first.speculation.step_costs is model.engine.speculation.step_costs is not None
+    monkeypatch.setattr(speculation, "step_seconds", lambda *_: pytest.fail("the costs were measured again"))
+    assert model.engine.configured(max_batch_size=3).speculation.step_costs is model.engine.speculation.step_costs

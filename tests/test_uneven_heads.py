@@ -187,13 +187,14 @@ def test_cache_sizes_are_the_same_on_every_rank():
     """Rows kept for the prefix cache and a cache kept between runs are decided from these, alike on every rank:
     sized for rank 0's 2 KV heads (of 32 numbers) on both ranks, 2 layers of keys and values in float32."""
     from accessory.network.LLM.llama import ModelArgs, Transformer
+    from accessory.network.kv_caches import KVCaches
     from accessory.parallel import ParallelContext
 
     sizes = []
     for rank in range(2):
         with torch.device("meta"):
             model = Transformer(ModelArgs(**UNEVEN), ParallelContext(None, rank, 2, 0))
-        sizes.append(model.cache_row_nbytes(256))
+        sizes.append(KVCaches.row_nbytes(model, 256))
     assert sizes == [2 * 2 * 32 * 256 * 2 * 4] * 2
 
 

@@ -29,7 +29,8 @@ from torch import nn
 from accessory.checkpoint.save import atomic_folder
 from accessory.errors import ConfigError
 from accessory.kernels.dispatch import portable
-from accessory.network.components import KVCache, decode_mask
+from accessory.network.components import decode_mask
+from accessory.network.kv_caches import KVCache, KVCaches
 from accessory.parallel.layers import ParallelWeight
 from accessory.parallel.quantized_weight import QuantizedWeight
 
@@ -61,25 +62,17 @@ class CachedStep(nn.Module):
         batch, length = input_ids.shape
         cached = past[0].shape[2]
         positions = (torch.arange(length, device=input_ids.device) + cached).expand(batch, length)  # (B, L)
-        layers = self.llma.layers
-        for layer, keys, values in zip(layers, past[0::2], past[1::2]):
-            layer.attention.cache = grown_cache(keys, values, length)
-        try:
-            logits = self.llma.verify(input_ids, positions, decode_mask(positions, cached + length))
-            presents = [t for layer in layers for t in (layer.attention.cache.k, layer.attention.cache.v)]
-        finally:
-            self.llma.free_caches()
-        return (logits, *presents)
+        caches = KVCaches([grown_cache(keys, values, length) for keys, values in zip(past[0::2], past[1::2])],
+                          cached + length)
+        logits = self.llma.verify(input_ids, positions, decode_mask(positions, cached + length), caches)
+        return (logits, *(t for cache in caches.layers for t in (cache.k, cache.v)))
 
 
 def grown_cache(keys: torch.Tensor, values: torch.Tensor, new: int) -> KVCache:
     """A KV cache holding `keys` and `values` (B, H_kv, P, D) and `new` empty columns after them, which the step
     writes."""
     rows, heads, _, head_dim = keys.shape
-    cache = KVCache(0, heads, 0, head_dim, keys.dtype, keys.device)
-    cache.k, cache.v = (torch.cat((t, t.new_zeros(rows, heads, new, head_dim)), dim=2) for t in (keys, values))
-    cache.columns = keys.shape[2] + new
-    return cache
+    return KVCache(*(torch.cat((t, t.new_zeros(rows, heads, new, head_dim)), dim=2) for t in (keys, values)))
 
 
 def check_exportable(llma: nn.Module) -> None:

@@ -24,11 +24,12 @@ def run_compile(args) -> None:
     if not isinstance(engine.decode_step, PackagedStep):
         raise ConfigError(f"accessory compile makes the CPU's packages; on {model.llma.device.type}, --compile "
                           f"compiles with torch.compile in each process")
-    engines = [engine] if engine.draft is None else [engine, engine.draft]  # a draft model's steps too
+    speculation = engine.speculation
+    engines = [engine] if speculation is None or speculation.draft is None else [engine, speculation.draft]
     sizes = [(e.decode_step, model.max_batch_size) for e in engines]  # --max_batch_size auto: the loaded model's pick
-    if engine.settings.speculative is not None:  # one row's verify steps: its token and proposals (a draft catching up)
-        sizes += [(e.verify_step, 1 + engine.settings.speculative.num_speculative_tokens)
-                  for e in engine.verifying_engines()]
+    if speculation is not None:  # one row's verify steps: its token and proposals (a draft catching up)
+        sizes += [(e.verify_step, 1 + speculation.config.num_speculative_tokens)
+                  for e in speculation.verifying_engines()]
     steps = [step for step, _ in sizes]
     paths = [path for step, most in sizes for path in step.prepare(most)]
     if model.ctx.is_source:

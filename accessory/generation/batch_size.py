@@ -2,8 +2,8 @@
 this rank really has once the model is loaded, with a stated margin; every rank of the group takes the smallest
 rank's pick, and if allocating that many rows still fails the pick is halved until it does not.
 
-Per row: the KV cache at max_seq_len (every layer, this rank's KV heads, the model's dtype: the model's own
-`cache_row_nbytes`) plus a decode step's workspace (`step_row_nbytes`). The memory: the GPU's free memory
+Per row: the KV cache at max_seq_len (every layer, this rank's KV heads, the model's dtype: the model's
+`KVCaches.row_nbytes`) plus a decode step's workspace (`step_row_nbytes`). The memory: the GPU's free memory
 (torch.cuda.mem_get_info), or on the CPU the available RAM (/proc/meminfo's MemAvailable) divided by the ranks of this
 machine, which share it. The prefix cache's bytes (finished sequences kept, `prefix_cache_bytes`) come off the top.
 `ACCESSORY_MEMORY_BUDGET` (bytes per rank) replaces the measured memory: for a container whose limit MemAvailable does
@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from accessory.errors import ConfigError
+from accessory.network.kv_caches import KVCaches
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def auto_sizing(model, reserved: int) -> BatchSizing:
     """This rank's arithmetic for a model loaded and materialized, keeping `reserved` bytes (the prefix cache)."""
     columns = model.args.max_seq_len
     memory, source = available_memory(model.device)
-    return BatchSizing(memory, source, reserved, model.cache_row_nbytes(columns), step_row_nbytes(model, columns),
+    return BatchSizing(memory, source, reserved, KVCaches.row_nbytes(model, columns), step_row_nbytes(model, columns),
                        columns)
 
 
@@ -134,15 +135,15 @@ def backed_off(model, rows: int, step_row: int) -> int:
     workspace (`step_row` bytes a row) fails on some rank (on every rank alike); both are released again."""
     while True:
         error: Optional[str] = None
+        caches = workspace = None
         try:
             with torch.inference_mode():
-                model.setup_caches(rows, model.args.max_seq_len)
+                caches = KVCaches.allocate(model, rows, model.args.max_seq_len)
                 workspace = torch.empty(rows * step_row, dtype=torch.uint8, device=model.device)
-                del workspace
         except (RuntimeError, MemoryError) as e:  # torch's OutOfMemoryError is a RuntimeError
             error = f"{type(e).__name__}: {e}"
         finally:
-            model.free_caches()
+            del caches, workspace  # released before the next try
         failures = [f for f in model.ctx.all_gather_object(error) if f]
         if not failures:
             return rows

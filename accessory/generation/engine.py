@@ -11,37 +11,29 @@ Every rank runs the same steps and the source rank decides them. Each step of `E
 In `stream`, every rank holds the requests, and the other ranks' `Follower`s write the same events from the tokens,
 so every rank yields the same stream.
 
-With speculative decoding (`EngineSettings.speculative`, speculative.py), each row's step may score its next token
-and a few proposed ones (the model's `verify`), and keep several tokens; the scheduler decides which, and the plan
-tells every rank.
+With speculative decoding (`EngineSettings.speculative`: speculation.py, speculative.py), each row's step may score
+its next token and a few proposed ones (the model's `verify`), and keep several tokens; the scheduler decides which,
+and the plan tells every rank.
 """
 from __future__ import annotations
 
-import functools
-import logging
 import os
 import shutil
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Collection, Iterator, Optional
 
-import torch
-
 from accessory.errors import ConfigError, RanksDisagree
-from accessory.generation.draft import DraftProposer
-from accessory.generation.model_runner import MIN_COLUMNS, ModelRunner
-from accessory.network.components import decode_mask
+from accessory.generation.model_runner import ModelRunner
 from accessory.generation.packaged_steps import compiled_step
-from accessory.generation.requests import Event, Request
 from accessory.generation.plan import Plan
+from accessory.generation.requests import Event, Request
 from accessory.generation.scheduler import Follower, Scheduler
-from accessory.generation.speculative import NgramProposer, SpeculativeConfig
+from accessory.generation.speculation import Speculation
+from accessory.generation.speculative import SpeculativeConfig
 from accessory.generation.wire import share_plan
+from accessory.network.kv_caches import KVCaches
 from accessory.parallel.watchdog import announce_failure
-
-log = logging.getLogger(__name__)
-ROUNDS = 12  # rounds of steps timed to measure speculation's costs (the fastest of each size counts)
 
 
 @dataclass(frozen=True)
@@ -99,84 +91,17 @@ class Engine:
         self.vocab_size = min(model.args.vocab_size, tokenizer.n_words)
         self.stats = EngineStats()  # the same on every rank
         self.calls = 0  # runs started: the same count on every rank that runs the same code
-        self.draft = None
-        # speculation_costs(): measured at the first run that speculates (or by warm_up); a test may set them
-        self.step_costs: Optional[tuple[float, ...]] = None
-        if settings.speculative is not None:
-            self._speculate(settings.speculative, draft)
-
-    def _speculate(self, config: SpeculativeConfig, draft) -> None:
-        """Check the model can verify proposals, and set up the draft's engine."""
-        if any(window is not None for window in self.model.windows):
-            raise ConfigError("speculative decoding needs every layer's KV cache full-width; this model's "
-                              "sliding-window layers keep only their window (a rejected proposal would overwrite a "
-                              "position still in it): run it without speculative_config")
-        if (config.method == "draft_model") != (draft is not None):
-            raise ConfigError(f"speculative_config method {config.method!r} "
-                              f"{'needs a draft model' if draft is None else 'takes no draft model'}")
-        if draft is not None:
-            self.draft = Engine(draft, self.tokenizer, replace(self.settings, speculative=None))
-
-    def proposer(self, rows: int, columns: int, keep_finished: bool):
-        """A run's proposer for speculative decoding (its draft's cache rows, if it has a draft), or None."""
-        config = self.settings.speculative
-        if config is None:
-            return None
-        self.speculation_costs()  # before any runner's cache is set up: it times steps on a cache of its own
-        if self.draft is not None:
-            return DraftProposer(self.draft, rows, columns, keep_finished, self.vocab_size,
-                                 config.num_speculative_tokens, adopts=self.drafts_itself)
-        return NgramProposer(config)
-
-    def speculation_costs(self) -> tuple[float, ...]:
-        """costs[k], k = 0..num_speculative_tokens: what a step that proposes and scores k tokens for one row costs,
-        relative to a plain decode step (a verify step of k + 1 tokens, and with a draft, k of its decode steps).
-        Timed on the source rank once per engine and shared, so every rank's rows decide alike (collective: every
-        rank runs the same steps)."""
-        if self.step_costs is None:
-            most = self.settings.speculative.num_speculative_tokens
-            timed = step_seconds([(self, most + 1)] + ([(self.draft, 1)] if self.draft is not None else []))
-            target, draft = timed[0], timed[1][0] if self.draft is not None else 0.0
-            costs = tuple((target[k] + k * draft) / target[0] for k in range(most + 1))
-            self.step_costs = self.ctx.broadcast_object(costs if self.ctx.is_source else None)
-            log.info("speculative decoding: a step proposing 1..%d tokens costs %s plain decode steps (measured)",
-                     most, " ".join(f"{cost:.2f}" for cost in self.step_costs[1:]))
-        return self.step_costs
-
-    @torch.inference_mode()
-    def compile_speculation(self) -> None:
-        """Compile the steps speculative decoding runs (verify, and decode at one token a row: the target's and the
-        draft's), for one row and for several, at two attention widths (symbolic sizes): feed a throwaway run's rows
-        a few tokens each, so that no request waits on their compilation."""
-        past = min(MIN_COLUMNS + 8, self.max_seq_len - 8)  # past the narrowest width, if the model reaches it
-        for engine in (self, self.draft) if self.draft is not None else (self,):
-            verifies = engine in self.verifying_engines()
-            for rows in (1, 2):
-                for length in (2, past):
-                    runner = ModelRunner(engine, rows, length + 8, keep_finished=False)
-                    runner.prefill(((1,) * length,) * rows, (None,) * rows)
-                    if verifies:
-                        runner.feed([(3, 4, 5)] * rows)
-                        runner.feed([(6, 7)] * rows)
-                    runner.feed([(8,)] * rows)
-
-    @property
-    def drafts_itself(self) -> bool:
-        """Whether the draft is this model's own checkpoint (`"model": "self"`), which takes its keys and values."""
-        return self.draft is not None and self.settings.speculative.model == "self"
-
-    def verifying_engines(self) -> list["Engine"]:
-        """The engines whose verify step speculative decoding runs: this one, and a draft model, which catches up
-        on several tokens at a time; but not the self-draft, which copies the target's keys and values for them
-        (draft.py) and only ever decodes."""
-        return [self] if self.draft is None or self.drafts_itself else [self, self.draft]
+        self.kept: Optional[KVCaches] = None  # the last run's KV caches, if they fit keep_cache_bytes
+        self.speculation = Speculation(self, settings.speculative, draft) if settings.speculative else None
 
     def configured(self, **changes) -> "Engine":
         """An engine for the same model with some settings changed; if its steps are the same, it shares this
         one's speculation costs, measured here first if they were not (collective, as the measuring is)."""
         engine = Engine(self.model, self.tokenizer, replace(self.settings, **changes), self.stop_ids, self.draft_model)
-        if (engine.settings.speculative, engine.settings.compile) == (self.settings.speculative, self.settings.compile):
-            engine.step_costs = self.speculation_costs() if self.settings.speculative is not None else None
+        same_steps = (engine.settings.speculative, engine.settings.compile) == (self.settings.speculative,
+                                                                                self.settings.compile)
+        if self.speculation is not None and same_steps:
+            engine.speculation.step_costs = self.speculation.costs()
         return engine
 
     @property
@@ -234,15 +159,14 @@ class Engine:
                     return
                 with self._alone():
                     local, scored = runner.step(plan)
-                    logits = self._reduce(scheduler, runner, local)
+                    logits = runner.reduce(local, scheduler)
                 if events and followed:
                     yield events
                 if scored:
                     scheduler.receive_prompt_logprobs(scored)
                 step += 1
         finally:
-            if self.model.cache_nbytes > self.settings.keep_cache_bytes:
-                self.model.free_caches()
+            self.kept = runner.caches if runner.caches.nbytes(self.model) <= self.settings.keep_cache_bytes else None
 
     def _next_plan(self, scheduler, logits, runner: ModelRunner, follower: Optional[Follower], followed: bool,
                    step: int) -> tuple[Plan, list[Event]]:
@@ -266,12 +190,14 @@ class Engine:
                 events = follower.events(plan, list(extras))
         return plan, events
 
-    def _reduce(self, scheduler: Optional[Scheduler], runner: ModelRunner, local: Optional[torch.Tensor]):
-        """Every rank's slice of the step's logits reduced to what sampling needs, merged (vocab_slices.py)."""
-        if local is None:
-            return None
-        masks = scheduler.masks(runner.proposed, local.shape[1]) if scheduler is not None else None
-        return runner.vocab.reduce(local, runner.proposed, masks)
+    def caches(self, rows: int, columns: int) -> KVCaches:
+        """KV caches of `rows` rows of `columns` positions for a run: the last run's, if they are that size (their
+        contents are the new run's to overwrite)."""
+        kept, self.kept = self.kept, None  # released before allocating, so the old and new never coexist
+        if kept is not None and kept.shape == (rows, columns):
+            return kept
+        del kept
+        return KVCaches.allocate(self.model, rows, columns)
 
     def vocab_slice(self) -> tuple[range, int]:
         """The token ids whose logits this rank computes (its rows of the output projection, within the ids the
@@ -290,40 +216,3 @@ class Engine:
                 announce_failure(f"{type(error).__name__}: {error} (generation call {self.calls})")
             raise
 
-
-@torch.inference_mode()
-def step_seconds(engines: list[tuple[Engine, int]]) -> list[list[float]]:
-    """For each (engine, most_slots): the seconds of its step scoring 1, 2, .. most_slots tokens at one row (its
-    decode step for one, its verify step for more), on a KV cache of its own. Each is the fastest of ROUNDS, the
-    steps taken in turn each round: what a step costs without interference, which a median of steps timed one
-    size after another was not (costs measured in two processes differed by up to 40%)."""
-    steps = [_one_row_steps(engine, most) for engine, most in engines]
-    for step in (s for each in steps for s in each):
-        step()  # compiles, if that has not happened yet
-    seconds = [[float("inf")] * len(each) for each in steps]
-    for _ in range(ROUNDS):
-        for times, each in zip(seconds, steps):
-            for size, step in enumerate(each):
-                begin = time.perf_counter()
-                step()
-                times[size] = min(times[size], time.perf_counter() - begin)
-    return seconds
-
-
-def _one_row_steps(engine: Engine, most_slots: int) -> list:
-    """Calls of the engine's step scoring 1, 2, .. most_slots tokens at one row, on a KV cache set up for them."""
-    model = engine.model
-    columns = min(MIN_COLUMNS, engine.max_seq_len)
-    model.setup_caches(2, columns)  # 2 rows, as a runner of one row has
-    start = max(0, min(16, columns - most_slots))
-    steps = []
-    for slots in range(1, most_slots + 1):
-        positions = torch.arange(start, start + slots, device=model.device)[None]
-        mask = decode_mask(positions, columns)
-        if slots == 1:
-            first = positions[:, 0].contiguous()
-            steps.append(functools.partial(engine.decode_step, torch.ones_like(first), first,
-                                           decode_mask(first, columns)))
-        else:
-            steps.append(functools.partial(engine.verify_step, torch.ones_like(positions), positions, mask))
-    return steps

@@ -15,7 +15,7 @@ padded, and a row that leaves frees its cache row at once (a live row from the e
 4. `prefill`: the joining prompts, packed into one sequence (`_prefill_packed`). A joining prompt that starts with
    tokens some cache row already holds (a live row, or a finished one kept for reuse) copies their keys and values
    instead of recomputing them (`_copy_prefixes`, prefix.py); every rank decides that alike from the plans.
-5. Each rank's logits (its slice of the vocabulary) stay on it: the engine has every rank reduce its slice to what
+5. Each rank's logits (its slice of the vocabulary) stay on it: `reduce` has every rank reduce its slice to what
    sampling needs (`vocab`, vocab_slices.py), and the source rank's scheduler samples from the merged candidates.
 """
 from __future__ import annotations
@@ -29,8 +29,9 @@ from accessory.generation.plan import Joining, Plan, RowResult
 from accessory.generation.prefix import RetainedRows, plan_reuse, waves
 from accessory.generation.speculative import RowBudget, accepted_count
 from accessory.generation.sampling import MAX_LOGPROBS
-from accessory.generation.vocab_slices import PositionLogprobs, VocabSlice, slice_logprobs
+from accessory.generation.vocab_slices import Merged, PositionLogprobs, VocabSlice, slice_logprobs
 from accessory.network.components import Segment, decode_mask
+from accessory.network.kv_caches import KVCaches
 from accessory.network.vision import image_key
 
 MIN_COLUMNS = 256  # the smallest KV-cache and attention width: widths are powers of two from here
@@ -39,28 +40,29 @@ PREFILL_TOKENS = 4096  # prompt tokens prefilled in one forward pass at most (mo
 
 class ModelRunner:
     """One run's rows on this rank, for one `Engine` (its model, context, settings, decode step and stats): the KV
-    cache (allocated here, `columns` rounded up to a power of two) and what each row holds. Rows 0..n-1 are the live
+    caches (`caches`: the engine's, for `columns` rounded up to a power of two) and what each row holds. Rows 0..n-1 are the live
     ones; past the batch's rows, `retained` keeps finished sequences for prompts to reuse."""
 
     def __init__(self, engine, rows: int, columns: int, keep_finished: bool = True):
         self.engine, self.model, self.rows = engine, engine.model, rows
         self.columns = _bucket(columns, engine.max_seq_len)
         self.cached: list[list[int]] = []  # the tokens each live row holds in columns 0..len-1 (fed, not sampled)
-        self.proposer = engine.proposer(rows, columns, keep_finished)  # None without speculative decoding
+        speculation = engine.speculation
+        self.proposer = speculation and speculation.proposer(rows, columns, keep_finished)  # None: no speculation
         self.budgets: list[RowBudget] = []  # how many tokens each live row proposes
         self.proposed: list[tuple[int, ...]] = []  # each row's proposals scored in the last step (source: its rows)
         self.vocab = VocabSlice(engine.ctx, *engine.vocab_slice(), engine.vocab_size, self.model.device)
         live = max(rows, 2)  # at least 2: torch.compile gives a size of 1 a graph of its own; a cache row is cheap
         self.retained = RetainedRows(live, self._retained_rows(rows, self.columns) if keep_finished else 0)
         with torch.inference_mode():
-            self.model.setup_caches(live + len(self.retained.tokens), self.columns)
+            self.caches = engine.caches(live + len(self.retained.tokens), self.columns)
 
     def _retained_rows(self, rows: int, columns: int) -> int:
         """Finished sequences kept: as many rows as fit in prefix_cache_bytes, at most the batch's rows."""
         settings = self.engine.settings
         if not settings.prefix_cache:
             return 0
-        return min(rows, settings.prefix_cache_bytes // self.model.cache_row_nbytes(columns))
+        return min(rows, settings.prefix_cache_bytes // KVCaches.row_nbytes(self.model, columns))
 
     @torch.inference_mode()
     def step(self, plan: Plan) -> tuple[Optional[torch.Tensor], list[PositionLogprobs]]:
@@ -91,9 +93,17 @@ class ModelRunner:
         self.vocab.admit(joining.rules, joining.prompts)
         if self.proposer is not None:
             self.proposer.admit(joining.prompts, images, self)
-            self.budgets += [RowBudget(self.engine.speculation_costs()) for _ in joining.prompts]
+            self.budgets += [RowBudget(self.engine.speculation.costs()) for _ in joining.prompts]
         self.proposed += [()] * len(joining)
         return logits
+
+    def reduce(self, local: Optional[torch.Tensor], scheduler) -> Optional[Merged]:
+        """Every rank's slice of the step's logits (`local`, from `step`) reduced to what sampling needs, with the
+        source rank's `scheduler`'s grammar masks (None on the other ranks), and merged (vocab_slices.py)."""
+        if local is None:
+            return None
+        masks = scheduler.masks(self.proposed, local.shape[1]) if scheduler is not None else None
+        return self.vocab.reduce(local, self.proposed, masks)
 
     # ---- 1. scoring -------------------------------------------------------------------------------------------------
 
@@ -126,7 +136,7 @@ class ModelRunner:
         moves = [(dst, src) for dst, src in enumerate(keep) if dst != src]
         if moves:
             end = max(len(self.cached[src]) for _, src in moves)
-            self.model.move_cache_rows([d for d, _ in moves], [s for _, s in moves], end)
+            self.caches.move_rows([d for d, _ in moves], [s for _, s in moves], end)
         self.cached = [self.cached[src] for src in keep]
         if self.proposer is not None:
             self.budgets = [self.budgets[src] for src in keep]
@@ -141,7 +151,7 @@ class ModelRunner:
                 copies[slot] = row
         if copies:
             end = max(len(self.cached[src]) for src in copies.values())
-            self.model.move_cache_rows(list(copies), list(copies.values()), end)
+            self.caches.move_rows(list(copies), list(copies.values()), end)
 
     # ---- 3. the decode step -----------------------------------------------------------------------------------------
 
@@ -161,7 +171,7 @@ class ModelRunner:
         positions = torch.zeros(padded, dtype=torch.long)
         positions[:n] = torch.tensor(ends)
         token_ids, positions = token_ids.to(device), positions.to(device)
-        logits = self.engine.decode_step(token_ids, positions, decode_mask(positions, width))
+        logits = self.engine.decode_step(token_ids, positions, decode_mask(positions, width), self.caches)
         for row, token in zip(self.cached, tokens):
             row.append(token)
         return logits[:n, None]
@@ -198,10 +208,11 @@ class ModelRunner:
         width = _bucket(int(positions.max()) + 1, self.columns)
         token_ids, positions = token_ids.to(device), positions.to(device)
         if slots == 1:
-            logits = self.engine.decode_step(token_ids[:, 0], positions[:, 0], decode_mask(positions[:, 0], width))
+            logits = self.engine.decode_step(token_ids[:, 0], positions[:, 0], decode_mask(positions[:, 0], width),
+                                             self.caches)
             logits = logits[:, None]
         else:
-            logits = self.engine.verify_step(token_ids, positions, decode_mask(positions, width))
+            logits = self.engine.verify_step(token_ids, positions, decode_mask(positions, width), self.caches)
         for row, seq in zip(self.cached, sequences):
             row.extend(seq)
         return logits[:n]
@@ -225,7 +236,7 @@ class ModelRunner:
             raise ValueError(f"prompt lengths {lengths} must be in 1..{self.columns - 1} (the cache's columns)")
         first = len(self.cached)
         held = [self._contents(prompt, image, adapter) for prompt, image, adapter in zip(prompts, images, adapters)]
-        plans = (plan_reuse(held, self.cached, self.retained, self.model.reusable_prefix)
+        plans = (plan_reuse(held, self.cached, self.retained, self.caches.reusable_prefix)
                  if self.engine.settings.prefix_cache else [None] * len(prompts))
         self.cached += held
         pasts = [plan.length if plan else 0 for plan in plans]
@@ -255,16 +266,12 @@ class ModelRunner:
     def copy_columns(self, source: "ModelRunner", rows: list[int], start: int, end: int) -> None:
         """Copy the keys and values of columns start..end - 1 of `rows` from the same rows of `source`, a runner
         this one `mirrors` (what each row holds is the caller's to record)."""
-        for mine, theirs in zip(self.model.layers, source.model.layers):
-            mine.attention.cache.move_rows(rows, rows, end, theirs.attention.cache, start)
+        self.caches.copy_rows_from(source.caches, rows, start, end)
 
     def mirrors(self, source: "ModelRunner") -> bool:
         """Whether this runner's KV cache has `source`'s layout, so that `adopt` can copy rows: as many layers, each
         with the same heads, columns, head size and dtype (the retained rows past the live ones may differ)."""
-        pairs = list(zip(self.model.layers, source.model.layers))
-        return len(self.model.layers) == len(source.model.layers) and all(
-            mine.attention.cache.k.shape[1:] == theirs.attention.cache.k.shape[1:]
-            and mine.attention.cache.k.dtype == theirs.attention.cache.k.dtype for mine, theirs in pairs)
+        return self.caches.same_layout(source.caches)
 
     def _contents(self, prompt: list[int], image, adapter: int = 0) -> list:
         """What a row holds, as the prefix cache compares it: the prompt's tokens, an image's positions keyed by
@@ -279,8 +286,8 @@ class ModelRunner:
     def _copy_prefixes(self, copies: list) -> None:
         """Copy each (row, Reuse)'s prefix from its source row."""
         if copies:
-            self.model.move_cache_rows([row for row, _ in copies], [plan.source for _, plan in copies],
-                                       max(plan.length for _, plan in copies))
+            self.caches.move_rows([row for row, _ in copies], [plan.source for _, plan in copies],
+                                  max(plan.length for _, plan in copies))
             for _, plan in copies:
                 self.retained.used(plan.source)
 
@@ -293,7 +300,7 @@ class ModelRunner:
         for prompt, row, past, _, adapter in parts:
             segments.append(Segment(start, len(prompt) - past, row, past, adapter))
             start += len(prompt) - past
-        return self.model.prefill(tokens, segments, [image for _, _, _, image, _ in parts])
+        return self.model.prefill(tokens, segments, self.caches, [image for _, _, _, image, _ in parts])
 
 
 def compiled(decode, device: torch.device, size_guards: bool = False):

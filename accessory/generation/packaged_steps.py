@@ -35,6 +35,7 @@ from accessory.generation import step_export
 from accessory.generation.model_runner import MIN_COLUMNS, compiled
 from accessory.generation.package_key import graph_family, model_key, package_key
 from accessory.network.components import MoEFeedForward, decode_mask
+from accessory.network.kv_caches import KVCaches
 
 log = logging.getLogger(__name__)
 PACKAGE_NAME = re.compile(r"(decode-rows|verify-slots)-(\d+)-(\d+|up)\.pt2")
@@ -54,7 +55,7 @@ def torch_compiled(model, step: str) -> Callable:
 
 
 class PackagedStep:
-    """step(tokens, positions, mask) -> logits, as `Transformer.decode` or `.verify` (`step`), from the package
+    """step(tokens, positions, mask, caches) -> logits, as `Transformer.decode` or `.verify` (`step`), from the package
     covering the call's size (decode: its rows; verify: its slots, at one row). `builds` and `loads` count the
     packages this process compiled and loaded; `reason` says why no package runs ("": they do)."""
 
@@ -72,24 +73,23 @@ class PackagedStep:
         else:
             self.model_key, self.family = model_key(model), graph_family(model)
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                 caches: KVCaches) -> torch.Tensor:
         if not self.reason and (self.step == "decode" or tokens.shape[0] == 1):
-            step = self.step_for(tokens, positions, mask)
+            step = self.step_for(tokens, positions, mask, caches)
             if step is not None:
-                return step(tokens, positions, mask, step_export.cache_inputs(self.model))
+                return step(tokens, positions, mask, step_export.cache_inputs(caches))
         if self.unpackaged is None:
             self.unpackaged = torch_compiled(self.model, self.step)
-        return self.unpackaged(tokens, positions, mask)
+        return self.unpackaged(tokens, positions, mask, caches)
 
     def use_torch_compile(self, reason: str, level: int = logging.WARNING) -> None:
         self.reason = reason
         log.log(level, "the %s step is compiled with torch.compile, not packaged: %s", self.step, reason)
 
-    @property
-    def key(self) -> str:
-        """The key of the model with its KV caches as they are now."""
-        rings = tuple(cache.ring for cache in step_export.layer_caches(self.model))
-        return package_key(self.model_key, rings)
+    def key(self, caches: KVCaches) -> str:
+        """The key of the model's step on `caches` (which layers are rings)."""
+        return package_key(self.model_key, caches.rings)
 
     def prepare(self, most: int) -> list[Path]:
         """Compile (or find) the packages covering sizes up to `most` ahead of time (`accessory compile`): decode's
@@ -98,28 +98,25 @@ class PackagedStep:
         if self.reason:
             raise ConfigError(f"the {self.step} step cannot be packaged: {self.reason}")
         columns = min(MIN_COLUMNS, self.model.args.max_seq_len)
-        self.model.setup_caches(max(most, 2) if self.step == "decode" else 2, columns)
-        try:
-            size, paths = 1 if self.step == "decode" else 2, []
-            while size <= most:
-                # token 0 at positions 0.., in two tensors: export takes one tensor passed twice for one input
-                positions = torch.arange(size, device=self.model.device)
-                positions = torch.zeros_like(positions) if self.step == "decode" else positions[None]
-                with torch.inference_mode():
-                    self(torch.zeros_like(positions), positions, decode_mask(positions, columns))
-                if self.reason:
-                    raise ConfigError(f"the {self.step} step cannot be packaged: {self.reason}")
-                fewest, last, _ = self.loaded_step(self.key, size)
-                paths.append(cache_dir() / "compiled" / self.key / self.package_name(fewest, last))
-                size = most + 1 if last is None else last + 1
-        finally:
-            self.model.free_caches()
+        caches = KVCaches.allocate(self.model, max(most, 2) if self.step == "decode" else 2, columns)
+        size, paths = 1 if self.step == "decode" else 2, []
+        while size <= most:
+            # token 0 at positions 0.., in two tensors: export takes one tensor passed twice for one input
+            positions = torch.arange(size, device=self.model.device)
+            positions = torch.zeros_like(positions) if self.step == "decode" else positions[None]
+            with torch.inference_mode():
+                self(torch.zeros_like(positions), positions, decode_mask(positions, columns), caches)
+            if self.reason:
+                raise ConfigError(f"the {self.step} step cannot be packaged: {self.reason}")
+            fewest, last, _ = self.loaded_step(self.key(caches), size)
+            paths.append(cache_dir() / "compiled" / self.key(caches) / self.package_name(fewest, last))
+            size = most + 1 if last is None else last + 1
         return paths
 
-    def step_for(self, tokens, positions, mask) -> Optional[Callable]:
+    def step_for(self, tokens, positions, mask, caches: KVCaches) -> Optional[Callable]:
         """The loaded step covering the call's size: already loaded, loaded from the cache, or compiled now; None if
         packaging failed (`reason` then says why)."""
-        key, size = self.key, tokens.shape[self.dim]
+        key, size = self.key(caches), tokens.shape[self.dim]
         loaded = self.loaded_step(key, size)
         if loaded is not None:
             return loaded[2]
@@ -131,7 +128,7 @@ class PackagedStep:
         if doubt is not None:
             self.use_torch_compile(f"packages are code, and {doubt}")
             return None
-        return self.load_cached(folder, size) or self.build(folder, tokens, positions, mask)
+        return self.load_cached(folder, size) or self.build(folder, tokens, positions, mask, caches)
 
     def load_cached(self, folder: Path, size: int) -> Optional[Callable]:
         """The step from a package in `folder` covering `size`, if one is there and loads; a package that does not
@@ -146,7 +143,7 @@ class PackagedStep:
                 path.unlink(missing_ok=True)
                 return None
             try:
-                step = step_export.load(path, self.model, self.step)
+                step = step_export.load(path, self.model)
             except Exception as e:  # a corrupt or truncated package: any error the loader raises
                 log.warning("the compiled %s step %s does not load (%s: %s); compiling it again", self.step, path,
                             type(e).__name__, str(e)[:300])
@@ -158,23 +155,24 @@ class PackagedStep:
             return self.keep(folder.name, fewest, most, step)
         return None
 
-    def build(self, folder: Path, tokens, positions, mask) -> Optional[Callable]:
+    def build(self, folder: Path, tokens, positions, mask, caches: KVCaches) -> Optional[Callable]:
         """Export and compile the step for the call's size into a package in `folder` (atomically), and load it;
         one package of this model's graphs at a time on this machine (`one_build_at_a_time`)."""
         with one_build_at_a_time(folder.parent, self.family):
-            return self.load_cached(folder, tokens.shape[self.dim]) or self._build(folder, tokens, positions, mask)
+            return (self.load_cached(folder, tokens.shape[self.dim])
+                    or self._build(folder, tokens, positions, mask, caches))
 
-    def _build(self, folder: Path, tokens, positions, mask) -> Optional[Callable]:
+    def _build(self, folder: Path, tokens, positions, mask, caches: KVCaches) -> Optional[Callable]:
         start = time.perf_counter()
         try:
-            program = step_export.export_step(self.model, self.step, tokens, positions, mask)
+            program = step_export.export_step(self.model, self.step, tokens, positions, mask, caches)
             fewest, most = step_export.size_range(program, self.step)
             target = folder / self.package_name(fewest, most)
             with tempfile.TemporaryDirectory(dir=folder) as work:
                 package = step_export.compile_package(program, Path(work) / target.name)
                 package.chmod(0o600)  # writable by no one else whatever the umask, or no process would load it
                 os.replace(package, target)
-            step = step_export.load(target, self.model, self.step)
+            step = step_export.load(target, self.model)
         except Exception as e:  # export and inductor raise many kinds; torch.compile may still do it
             self.use_torch_compile(f"packaging it failed ({type(e).__name__}: {str(e)[:300]})")
             return None

@@ -82,7 +82,7 @@ def plan_reuse(prompts: Sequence[list[int]], live: Sequence[list[int]], retained
     """For each prompt admitted into rows len(live), len(live)+1, ...: where to copy its longest cached prefix
     from (a live row, a kept sequence, or a prompt before it in `prompts`), or None. At least the prompt's last
     token is always recomputed: its logits are needed. `usable(length, held)`: how much of a shared prefix of
-    `length` tokens a row holding `held` tokens can give (the model's `reusable_prefix`: a sliding-window layer's
+    `length` tokens a row holding `held` tokens can give (`KVCaches.reusable_prefix`: a sliding-window layer's
     ring keeps only a row's last positions)."""
     sources = [(row, tokens, None) for row, tokens in enumerate(live)]
     sources += [(row, tokens, None) for row, tokens in retained.candidates()]

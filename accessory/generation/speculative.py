@@ -115,7 +115,7 @@ class NgramProposer:
 class RowBudget:
     """How many tokens a row proposes next: the count with the most tokens expected per unit of time. `costs[k]` is
     what a step that proposes and scores k tokens costs, relative to a plain decode step (costs[0] = 1; measured by
-    the engine, `Engine.speculation_costs`); each proposal is taken to be accepted with probability p, the row's
+    the engine, `Speculation.costs`); each proposal is taken to be accepted with probability p, the row's
     rate so far (decayed counts, from an even prior), so k proposals add 1 + p + ... + p^k tokens. Where no count
     pays (p low, or steps that score more tokens dear), the row proposes nothing, but one token every PROBE_EVERY
     steps, so that text that turns guessable is noticed; and at its first step, where the even prior alone would

@@ -11,7 +11,6 @@ range it meets.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -21,7 +20,7 @@ import torch.utils._pytree as pytree
 from torch.export import Dim
 from torch.utils._sympy.numbers import int_oo
 
-from accessory.network.components import KVCache
+from accessory.network.kv_caches import KVCache, KVCaches
 
 
 # The size a package of each step varies in: (the tokens' dimension, what it counts).
@@ -30,50 +29,29 @@ VARIES = {"decode": (0, "rows"), "verify": (1, "slots")}
 
 class StepOnCaches(torch.nn.Module):
     """`model.decode` or `model.verify` (`step`) with every layer's KV cache an input: forward(tokens, positions,
-    mask, caches), caches a list of (keys, values) per layer, written in place as the step writes its own."""
+    mask, caches), caches a list of (keys, values) per layer, written in place as the step writes its own; `rings`:
+    which layers' caches are sliding-window rings (part of the graph: package_key.py keys packages on them)."""
 
-    def __init__(self, model, step: str):
+    def __init__(self, model, step: str, rings: tuple[bool, ...]):
         super().__init__()
-        self.model, self.step = model, step
+        self.model, self.step, self.rings = model, step, rings
 
     def forward(self, tokens, positions, mask, caches):
-        with caches_swapped(self.model, caches):
-            return getattr(self.model, self.step)(tokens, positions, mask)
+        layers = [KVCache(k, v, ring) for (k, v), ring in zip(caches, self.rings)]
+        return getattr(self.model, self.step)(tokens, positions, mask, KVCaches(layers, mask.shape[-1]))
 
 
-@contextmanager
-def caches_swapped(model, caches):
-    """Within it, each layer's KVCache holds the given (keys, values) instead of its own."""
-    held = layer_caches(model)
-    saved = [(cache.k, cache.v) for cache in held]
-    try:
-        for cache, (k, v) in zip(held, caches):
-            cache.k, cache.v = k, v
-        yield
-    finally:
-        for cache, (k, v) in zip(held, saved):
-            cache.k, cache.v = k, v
+def cache_inputs(caches: KVCaches) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(cache.k, cache.v) for cache in caches.layers]
 
 
-def layer_caches(model) -> list[KVCache]:
-    caches = [layer.attention.cache for layer in model.layers]
-    if any(cache is None for cache in caches):
-        raise RuntimeError("the decode step runs on the KV cache: setup_caches first")
-    return caches
-
-
-def cache_inputs(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(cache.k, cache.v) for cache in layer_caches(model)]
-
-
-def export_step(model, step: str, tokens, positions, mask) -> torch.export.ExportedProgram:
+def export_step(model, step: str, tokens, positions, mask, caches: KVCaches) -> torch.export.ExportedProgram:
     """`StepOnCaches(model, step)` exported from one call's inputs (fake copies: nothing is written): its varying
     size (decode: rows; verify: slots, at one row), cache rows, cache columns (not a ring's: its width is fixed) and
     mask columns symbolic. Sizes that happen to be equal in this call get symbols of their own (no duck shapes), so
     no later call is taken for one with equal sizes."""
-    caches = cache_inputs(model)
     auto = Dim.AUTO
-    cache_dims = [{0: auto} if cache.ring else {0: auto, 2: auto} for cache in layer_caches(model)]
+    cache_dims = [{0: auto} if cache.ring else {0: auto, 2: auto} for cache in caches.layers]
     if step == "decode":  # one row is a graph of its own (a size of 1 is never symbolic)
         rows = Dim.STATIC if tokens.shape[0] == 1 else auto
         inputs = {"tokens": {0: rows}, "positions": {0: rows}, "mask": {0: rows, 3: auto}}
@@ -84,10 +62,11 @@ def export_step(model, step: str, tokens, positions, mask) -> torch.export.Expor
     dynamic = {**inputs, "caches": [(dims, dims) for dims in cache_dims]}
     try:
         with torch.no_grad(), fx_config.patch(use_duck_shape=False):
-            return torch.export.export(StepOnCaches(model, step).eval(), (tokens, positions, mask, caches),
-                                       dynamic_shapes=dynamic, strict=False)
+            return torch.export.export(StepOnCaches(model, step, caches.rings).eval(),
+                                       (tokens, positions, mask, cache_inputs(caches)), dynamic_shapes=dynamic,
+                                       strict=False)
     finally:  # export strips dynamo's size markings from its inputs, the live caches: a graph compiled later would
-        for cache in layer_caches(model):  # take their heads for symbolic, and compile again for a new cache
+        for cache in caches.layers:  # take their heads for symbolic, and compile again for a new cache
             cache.mark_sizes()
 
 
@@ -115,12 +94,11 @@ def compile_package(program: torch.export.ExportedProgram, path: Path) -> Path:
                                                          inductor_configs=options))
 
 
-def load(path: Path, model, step: str) -> "LoadedStep":
-    """The compiled `step` in package `path`, given the live model's weights (shared, not copied). Called as
-    step(tokens, positions, mask, cache_inputs(model)) -> logits."""
+def load(path: Path, model) -> "LoadedStep":
+    """The compiled step in package `path`, given the live model's weights (shared, not copied). Called as
+    step(tokens, positions, mask, cache_inputs(caches)) -> logits."""
     runner = torch._inductor.aoti_load_package(str(path))
-    wrapper = StepOnCaches(model, step)
-    constants = {name: _attribute(wrapper, name) for name in runner.get_constant_fqns()}
+    constants = {name: _attribute(model, name.removeprefix("model.")) for name in runner.get_constant_fqns()}
     runner.load_constants(constants, check_full_update=True, user_managed=True)
     return LoadedStep(runner.loader)
 

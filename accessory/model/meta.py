@@ -122,7 +122,7 @@ class MetaModel(nn.Module):
             for batch in (["Hello"], ["Hello", "Hello there"]):
                 self.generate(batch, max_gen_len=3)
             if self.engine.settings.speculative is not None:
-                self.engine.compile_speculation()
+                self.engine.speculation.compile()
         except AccessoryError:
             raise
         except Exception as e:

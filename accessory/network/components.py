@@ -1,5 +1,5 @@
 """Shared decoder blocks of every family: RMSNorm (with Gemma's +1 offset or without), rotary embeddings (linear,
-llama3 and yarn scaling), the KV cache (whole, or a ring holding a sliding window), attention (optional qkv bias,
+llama3 and yarn scaling), attention on a KV cache (kv_caches.py; whole, or a ring holding a sliding window; optional qkv bias,
 per-head q/k norm, a query scale, a sliding window), the gated feed-forward (SiLU or GELU-tanh) and the mixture of
 experts (a router over gated feed-forwards, the experts spread over ranks).
 
@@ -21,7 +21,6 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional, Union
 
 import torch
-import torch._dynamo  # imported here, by one thread: two threads' first `torch._dynamo` at once fail (circular import)
 import torch.nn.functional as F
 from torch import nn
 
@@ -31,6 +30,8 @@ from accessory.kernels import (apply_rope, attends_in_one_call, decode_attention
 from accessory.kernels.build import one_row_float_kernel
 from accessory.parallel import (ColumnParallelLinear, ExpertLinear, FusedColumns, ParallelContext, RowParallelLinear,
                                 expert_placement, head_placement, head_shard)
+from accessory.network.config import MoEConfig
+from accessory.network.kv_caches import KVCache
 from accessory.quant.formats import GROUP, PARTS, block_size
 from accessory.parallel.quantized_weight import QuantizedWeight
 
@@ -127,60 +128,6 @@ def rope_table(freqs: torch.Tensor, max_seq_len: int, device: torch.device, scal
     return (torch.stack((angles.cos(), angles.sin()), dim=-1) * scale).to(device)
 
 
-class KVCache(nn.Module):
-    """Preallocated keys and values for one attention layer: (rows, n_local_kv_heads, columns, head_dim).
-
-    A row holds one sequence; its token at RoPE position p lives in column p, so rows at different positions
-    share the cache (continuous batching) and no row ever needs padding. A sliding-window layer's cache is a ring
-    (`ring`): it has at most `window` columns, and position p lives in column p % columns, so it holds the last
-    `columns` positions of each row, all that layer ever attends to.
-    """
-
-    def __init__(self, rows: int, n_kv_heads: int, columns: int, head_dim: int, dtype, device, ring: bool = False):
-        super().__init__()
-        shape = (rows, n_kv_heads, columns, head_dim)
-        self.columns, self.ring = columns, ring
-        # Plain attributes, not buffers: dynamo keeps a module buffer's shape static, so a compiled decode step
-        # would compile a graph for each batch size and cache width. As attributes their rows and (but on a ring,
-        # whose width is the window) columns are symbolic; heads and head_dim stay fixed.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.mark_sizes()
-
-    def mark_sizes(self) -> None:
-        """Tell dynamo which sizes never change: heads and head_dim (and a ring's width)."""
-        for cache in (self.k, self.v):
-            for dim in (1, 3) if not self.ring else (1, 2, 3):
-                torch._dynamo.mark_static(cache, dim)
-
-    def column(self, positions: torch.Tensor) -> torch.Tensor:
-        return positions % self.columns if self.ring else positions
-
-    def write(self, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v (N, H, D) of N tokens at cache rows `rows` (N,), positions `positions` (N,). On a ring, no two
-        of the positions may share a column (the write's order among them is undefined)."""
-        columns = self.column(positions)
-        self.k[rows, :, columns] = k  # the advanced indices come first: (N, H, D)
-        self.v[rows, :, columns] = v
-
-    def move_rows(self, dst: list[int], src: list[int], end: int, source: Optional["KVCache"] = None,
-                  start: int = 0) -> None:
-        """Copy rows `src` to rows `dst` (positions start..end - 1; on a ring, from 0, the ones it still holds): a
-        finished row's place is filled by a live one, a finished row is kept for reuse, a prompt takes a cached
-        prefix. From `source`'s rows instead, a cache of the same layout: a self-draft takes the target's keys and
-        values."""
-        source = source or self
-        if dst:
-            dst_index, src_index, end = torch.tensor(dst), torch.tensor(src), min(end, self.columns)
-            start = 0 if self.ring else start
-            self.k[dst_index, :, start:end] = source.k[src_index, :, start:end]
-            self.v[dst_index, :, start:end] = source.v[src_index, :, start:end]
-
-    @property
-    def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
-
-
 @dataclass(frozen=True)
 class Segment:
     """One prompt in a packed prefill: tokens[start:start + length] go to KV-cache row `row`, columns past..past +
@@ -262,7 +209,6 @@ class Attention(nn.Module):
         # SDPA and the kernels scale by head_dim ** -0.5; another scale is applied to q first
         self.q_scale = args.attention_scale * self.head_dim ** 0.5
         self.wqkv: FusedColumns | None = None  # wq, wk, wv as one product, once `fuse` has run
-        self.cache: KVCache | None = None  # set by Transformer.setup_caches; used by prefill and decode
 
     def fuse(self) -> None:
         """Compute q, k and v in one product (materialized, before loading): one call instead of three."""
@@ -302,70 +248,71 @@ class Attention(nn.Module):
         return self._out(F.scaled_dot_product_attention(q, k, v, is_causal=length > 1, enable_gqa=True))
 
     def prefill(self, x: torch.Tensor, rotations: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-                segments: list[Segment], masks: list) -> torch.Tensor:
-        """Packed prompts x (1, T, dim): token t goes to cache row rows[t], position positions[t]; each segment is
+                segments: list[Segment], masks: list, cache: KVCache) -> torch.Tensor:
+        """Packed prompts x (1, T, dim): token t goes to `cache` row rows[t], position positions[t]; each segment is
         one prompt, causal within itself and seeing its row's cached positions before it: `masks` are the
         segments' `prefill_mask`s, or on a sliding-window layer their `WindowPrefill`s."""
         q, k, v = self._qkv(x, rotations)  # (1, T, H, D)
         if self.window is not None:
-            return self._window_prefill(q, k[0], v[0], segments, masks)
-        self.cache.write(rows, positions, k[0], v[0])
+            return self._window_prefill(q, k[0], v[0], segments, masks, cache)
+        cache.write(rows, positions, k[0], v[0])
         q = q.transpose(1, 2)  # (1, H, T, D)
         attended = []
         for seg, mask in zip(segments, masks):  # keys and values from the cache: the prefix's and its own
             end = seg.past + seg.length
-            keys, values = self.cache.k[seg.row:seg.row + 1, :, :end], self.cache.v[seg.row:seg.row + 1, :, :end]
+            keys, values = cache.k[seg.row:seg.row + 1, :, :end], cache.v[seg.row:seg.row + 1, :, :end]
             attended.append(F.scaled_dot_product_attention(q[:, :, seg.start:seg.start + seg.length], keys, values,
                                                            attn_mask=mask, is_causal=mask is None, enable_gqa=True))
         return self._out(torch.cat(attended, dim=2))
 
-    def _window_prefill(self, q, k, v, segments: list[Segment], plans: list[WindowPrefill]) -> torch.Tensor:
+    def _window_prefill(self, q, k, v, segments: list[Segment], plans: list[WindowPrefill],
+                        cache: KVCache) -> torch.Tensor:
         """Each segment attends to the positions its row's ring still holds and to its own keys (from k, v (T, H_kv,
         D), not the ring: a long prompt overwrites the ring's columns while its first tokens still need them); then
         its last positions are written to the ring."""
         q, attended = q.transpose(1, 2), []  # (1, H, T, D)
         for seg, plan in zip(segments, plans):
             own = slice(seg.start, seg.start + seg.length)
-            keys = torch.cat((self.cache.k[seg.row, :, plan.columns], k[own].transpose(0, 1)), dim=1)[None]
-            values = torch.cat((self.cache.v[seg.row, :, plan.columns], v[own].transpose(0, 1)), dim=1)[None]
+            keys = torch.cat((cache.k[seg.row, :, plan.columns], k[own].transpose(0, 1)), dim=1)[None]
+            values = torch.cat((cache.v[seg.row, :, plan.columns], v[own].transpose(0, 1)), dim=1)[None]
             attended.append(F.scaled_dot_product_attention(q[:, :, own], keys, values, attn_mask=plan.mask,
                                                            enable_gqa=True))
         for seg, plan in zip(segments, plans):
             last = slice(seg.start + seg.length - plan.keep, seg.start + seg.length)
             positions = torch.arange(seg.past + seg.length - plan.keep, seg.past + seg.length, device=k.device)
-            self.cache.write(torch.full_like(positions, seg.row), positions, k[last], v[last])
+            cache.write(torch.full_like(positions, seg.row), positions, k[last], v[last])
         return self._out(torch.cat(attended, dim=2))
 
-    def decode(self, x: torch.Tensor, rotations: torch.Tensor, positions: torch.Tensor,
-               mask: torch.Tensor) -> torch.Tensor:
-        """L new tokens per cache row 0..B-1, x (B, L, dim), at `positions` (B, L) (L is 1 but when verifying
+    def decode(self, x: torch.Tensor, rotations: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+               cache: KVCache) -> torch.Tensor:
+        """L new tokens per `cache` row 0..B-1, x (B, L, dim), at `positions` (B, L) (L is 1 but when verifying
         speculative proposals); `mask` (B, 1, L, C) says which of the first C cache columns each token sees (on a
         ring, where L is 1: which of its columns hold positions already written)."""
         batch, length = positions.shape
-        if attends_in_one_call(x, self.cache.k, self.cache.ring):
+        if attends_in_one_call(x, cache.k, cache.ring):
             products = [self.wqkv and self.wqkv.plain_parts(), self.wo.plain_parts()]
             if products_in_one_call(x, products):
-                return self.wo.ctx.all_reduce(self._block(x, products, rotations, positions))
-            return self.wo(self._attend(*self._project(x), rotations, positions))
+                return self.wo.ctx.all_reduce(self._block(x, products, rotations, positions, cache))
+            return self.wo(self._attend(*self._project(x), rotations, positions, cache))
         q, k, v = self._qkv(x, rotations)
         rows = torch.arange(batch, device=x.device)[:, None].expand(batch, length)
-        self.cache.write(rows.reshape(-1), positions.reshape(-1), k.flatten(0, 1), v.flatten(0, 1))
-        if self.cache.ring:  # every column holds one of the last `columns` positions, once written
-            positions = positions.clamp(max=self.cache.columns - 1)
-        attended = decode_attention(q, self.cache.k, self.cache.v, positions, mask, self.cache.ring)
+        cache.write(rows.reshape(-1), positions.reshape(-1), k.flatten(0, 1), v.flatten(0, 1))
+        if cache.ring:  # every column holds one of the last `columns` positions, once written
+            positions = positions.clamp(max=cache.columns - 1)
+        attended = decode_attention(q, cache.k, cache.v, positions, mask, cache.ring)
         return self._out(attended)
 
 
-    def _attend(self, q, k, v, rotations, positions) -> torch.Tensor:
+    def _attend(self, q, k, v, rotations, positions, cache: KVCache) -> torch.Tensor:
         """decode's steps from the projections to the attention's output (B, L, H * D) in one kernel call."""
-        return torch.ops.accessory.attend_cpu(q, k, v, rotations, positions, self.cache.k, self.cache.v,
-                                              self.cache.ring, self.q_scale, *self._qk_norms())
+        return torch.ops.accessory.attend_cpu(q, k, v, rotations, positions, cache.k, cache.v, cache.ring,
+                                              self.q_scale, *self._qk_norms())
 
-    def _block(self, x, products, rotations, positions) -> torch.Tensor:
+    def _block(self, x, products, rotations, positions, cache: KVCache) -> torch.Tensor:
         """decode from x to this rank's partial sum (B, L, dim), all-reduce aside, in one kernel call."""
         (qkv_fmt, qkv), (out_fmt, out) = products
         return torch.ops.accessory.attention_block_cpu(
-            x, qkv_fmt, qkv, self.wqkv.bias, rotations, positions, self.cache.k, self.cache.v, self.cache.ring,
+            x, qkv_fmt, qkv, self.wqkv.bias, rotations, positions, cache.k, cache.v, cache.ring,
             self.q_scale, *self._qk_norms(), out_fmt, out, one_row_float_kernel())
 
     def _qk_norms(self) -> tuple:
@@ -430,16 +377,6 @@ class FeedForward(nn.Module):
     def held_elsewhere(self) -> list[str]:
         """Checkpoint names (under `feed_forward.`) of weights that other ranks hold and this one does not."""
         return []
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """A mixture of experts: `num_experts` gated feed-forwards, of which a router picks `num_experts_per_tok` per
-    token (softmax over all experts, then the top k; their weights renormalised to sum to 1 if `norm_topk_prob`:
-    Mixtral always, Qwen3-MoE as its config says)."""
-    num_experts: int
-    num_experts_per_tok: int
-    norm_topk_prob: bool = True
 
 
 class Expert(nn.Module):

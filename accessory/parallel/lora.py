@@ -97,19 +97,12 @@ class LoraRowParallelLinear(RowParallelLinear):
 
 class AdapterRouting:
     """Which adapter each token of the forward pass running now uses, when several adapters are held unmerged and
-    chosen per request (`--lora-modules`): adapter ids shaped like the tokens, (B, L), with 0 for none; and each
-    KV-cache row's adapter (`rows`), which moves with the row. The Transformer sets `tokens` before its layers run;
+    chosen per request (`--lora-modules`): adapter ids shaped like the tokens, (B, L), with 0 for none. The
+    Transformer sets `tokens` before its layers run (from its KV caches' rows' adapters, which move with the rows);
     every `LoraFactors` reads it."""
 
     def __init__(self):
         self.tokens: Optional[torch.Tensor] = None  # None: no token uses a per-request adapter (scoring)
-        self.rows: Optional[torch.Tensor] = None  # (cache rows,) adapter ids
-
-    def set_rows(self, count: int, device: torch.device) -> None:
-        self.rows = torch.zeros(count, dtype=torch.long, device=device)
-
-    def move_rows(self, dst: list[int], src: list[int]) -> None:
-        self.rows[dst] = self.rows[src].clone()  # cloned first: a row may be both a source and a destination
 
 
 class LoraFactors(nn.Module):

@@ -78,7 +78,7 @@ def _args(config: dict, source: str):
 
 
 def _text_only(config: dict) -> dict:
-    from accessory.network.LLM.llama import ModelArgs
+    from accessory.network.config import ModelArgs
 
     keys = set(ModelArgs.__dataclass_fields__)
     return {k: v for k, v in config.items() if k in keys}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from accessory.network.components import MoEConfig
+from accessory.network.config import MoEConfig
 from accessory.network.LLM import llama
 
 

@@ -301,7 +301,7 @@ def ours_runner(spec: str, bench_model: Model, prompts: list[str], n: int):
 
     def counting_step(scheduler, logits, *proposals):  # the source rank's steps
         plan, events = step(scheduler, logits, *proposals)
-        record["steps"] += bool(plan.keep or plan.admit)
+        record["steps"] += bool(plan.keep or plan.joining)
         if record["prefill"] is None and all(r.generated for r in record["requests"]):
             record["prefill"] = time.perf_counter()
         return plan, events

@@ -182,7 +182,7 @@ def test_exporting_a_step_leaves_the_live_caches_marked(folders):
     """torch.export strips dynamo's size markings from its inputs, the live KV caches: they get them back (heads and
     head_dim static), or a torch.compile graph traced after a package was exported (several rows' verify step)
     takes those sizes for symbolic, and compiles again when the next run's cache comes, after the warm-up."""
-    from accessory.generation.step_export import export_step
+    from accessory.generation.steps import export_step
     from accessory.model.meta import MetaModel
     from accessory.network.components import decode_mask
     from accessory.network.kv_caches import KVCaches

@@ -30,7 +30,7 @@ from accessory.checkpoint.save import atomic_folder
 from accessory.errors import ConfigError
 from accessory.kernels.dispatch import portable
 from accessory.network.components import decode_mask
-from accessory.network.kv_caches import KVCache, KVCaches
+from accessory.network.kv_caches import KVCaches
 from accessory.parallel.layers import ParallelWeight
 from accessory.parallel.quantized_weight import QuantizedWeight
 
@@ -62,17 +62,16 @@ class CachedStep(nn.Module):
         batch, length = input_ids.shape
         cached = past[0].shape[2]
         positions = (torch.arange(length, device=input_ids.device) + cached).expand(batch, length)  # (B, L)
-        caches = KVCaches([grown_cache(keys, values, length) for keys, values in zip(past[0::2], past[1::2])],
-                          cached + length)
+        caches = KVCaches.of_tensors([(grown(keys, length), grown(values, length))
+                                      for keys, values in zip(past[0::2], past[1::2])], cached + length)
         logits = self.llma.verify(input_ids, positions, decode_mask(positions, cached + length), caches)
-        return (logits, *(t for cache in caches.layers for t in (cache.k, cache.v)))
+        return (logits, *(t for pair in caches.tensors() for t in pair))
 
 
-def grown_cache(keys: torch.Tensor, values: torch.Tensor, new: int) -> KVCache:
-    """A KV cache holding `keys` and `values` (B, H_kv, P, D) and `new` empty columns after them, which the step
-    writes."""
-    rows, heads, _, head_dim = keys.shape
-    return KVCache(*(torch.cat((t, t.new_zeros(rows, heads, new, head_dim)), dim=2) for t in (keys, values)))
+def grown(past: torch.Tensor, new: int) -> torch.Tensor:
+    """`past` keys or values (B, H_kv, P, D) with `new` empty columns after them, which the step writes."""
+    rows, heads, _, head_dim = past.shape
+    return torch.cat((past, past.new_zeros(rows, heads, new, head_dim)), dim=2)
 
 
 def check_exportable(llma: nn.Module) -> None:

@@ -8,10 +8,10 @@ padded, and a row that leaves frees its cache row at once (a live row from the e
 2. `compact`: the rows that finished are copied into the retained rows (`_retain`, for the prefix cache), then the
    kept rows move into the holes, so the live rows are 0..n-1 again.
 3. `_decode`: one token for each kept row at that row's next position, through `Engine.decode_step`
-   (`Transformer.decode`: static shapes, no host sync; with `compile`, the graph `compiled` makes, with symbolic
-   sizes, and one for a single row), attending over a power-of-two number of columns (`_bucket`). With speculative
-   decoding, rows with proposals (speculative.py) are scored with them in one `Engine.verify_step` instead
-   (`_verify`), and the next step first drops the proposals the source rank rejected (`_settle`).
+   (`Transformer.decode`: static shapes, no host sync; with `compile`, a compiled graph: steps.py), attending over
+   a power-of-two number of columns (`_bucket`). With speculative decoding, rows with proposals (speculative.py)
+   are scored with them in one `Engine.verify_step` instead (`_verify`), and the next step first drops the
+   proposals the source rank rejected (`_settle`).
 4. `prefill`: the joining prompts, packed into one sequence (`_prefill_packed`). A joining prompt that starts with
    tokens some cache row already holds (a live row, or a finished one kept for reuse) copies their keys and values
    instead of recomputing them (`_copy_prefixes`, prefix.py); every rank decides that alike from the plans.
@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.fx.experimental._config as fx_config
 
 from accessory.generation.plan import Joining, Plan, RowResult
 from accessory.generation.prefix import RetainedRows, plan_reuse, waves
@@ -301,37 +300,6 @@ class ModelRunner:
             segments.append(Segment(start, len(prompt) - past, row, past, adapter))
             start += len(prompt) - past
         return self.model.prefill(tokens, segments, self.caches, [image for _, _, _, image, _ in parts])
-
-
-def compiled(decode, device: torch.device, size_guards: bool = False):
-    """`decode` under torch.compile, as one graph with symbolic sizes (rows and columns vary as requests come and
-    go; a size of 1 gets its own graph), captured as CUDA graphs on CUDA (one per shape the buckets allow). On the
-    CPU, inductor's wrapper that calls the graph's kernels is C++ (`cpp_wrapper`), not Python: with about 150 calls
-    per step, 1.7 ms less per step here.
-
-    Guards: dynamo re-checks every module attribute the step reads on every call (about 1 ms here). Only tensor
-    guards are kept, on every tensor but the parameters (the inputs, the KV cache, the quantized weights): a
-    loaded model's parameters and attributes never change, and whatever else might is a tensor.
-
-    Sizes: the rows decoded and the KV cache's rows are independent, though often equal when a graph is traced;
-    without duck shapes they get symbols of their own (else the graph took them for one size, and a later call where
-    they differ failed its size checks: guards on sizes are among those dropped).
-
-    `size_guards`: keep every guard, for a step whose graph may specialize a size (the verify step's slots and
-    attention width did): a call whose sizes the graph cannot take compiles another instead of failing its size
-    checks, for about 1 ms more per call."""
-    options = {} if size_guards else {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}
-    if device.type == "cuda":
-        options["triton.cudagraphs"] = True
-    else:
-        options["cpp_wrapper"] = True
-    step = torch.compile(decode, fullgraph=True, dynamic=True, options=options)
-
-    def call(*args):
-        with fx_config.patch(use_duck_shape=False):
-            return step(*args)
-
-    return call
 
 
 def _bucket(columns: int, limit: int) -> int:

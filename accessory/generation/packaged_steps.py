@@ -1,13 +1,13 @@
 """Compile once, run many: the CPU engine's compiled steps from AOTInductor packages in the cache, so that a process
 loads the steps a previous one compiled instead of compiling them again.
 
-`$ACCESSORY_CACHE/compiled/<key>/<step>-<size>-<fewest>-<most>.pt2` is one package (step_export.py): the decode
+`$ACCESSORY_CACHE/compiled/<key>/<step>-<size>-<fewest>-<most>.pt2` is one package (steps.py): the decode
 step for a range of rows (`decode-rows-1-1.pt2`), or speculative decoding's verify step at one row for a range of
 slots (`verify-slots-2-32.pt2`); the key (package_key.py) is what its code depends on. A call whose size no package
 there covers exports and compiles one (tens of seconds), written atomically, then loaded; later calls and later
 processes load it (well under a second). A package is code, so it is loaded only from folders `untrusted` accepts.
 One that does not load (a corrupt file) is reported and compiled again. What cannot be packaged runs under
-torch.compile (model_runner.compiled), with one line saying why: a mixture of experts (its dispatch,
+torch.compile (steps.compiled), with one line saying why: a mixture of experts (its dispatch,
 accessory::grouped_experts, is a Python operator), ranks whose collectives go through gloo (a package compiles, but
 its collectives fail when it runs, with torch 2.13: several rows' `_c10d_functional.wait_tensor` raises, one row's
 step hangs; ranks of one machine exchange through the shared-memory operators instead, which packages call as they
@@ -31,8 +31,8 @@ import torch
 
 from accessory.cache_dir import cache_dir, cache_folder, untrusted
 from accessory.errors import ConfigError
-from accessory.generation import step_export
-from accessory.generation.model_runner import MIN_COLUMNS, compiled
+from accessory.generation import steps
+from accessory.generation.model_runner import MIN_COLUMNS
 from accessory.generation.package_key import graph_family, model_key, package_key
 from accessory.network.components import MoEFeedForward, decode_mask
 from accessory.network.kv_caches import KVCaches
@@ -43,15 +43,10 @@ PACKAGE_NAME = re.compile(r"(decode-rows|verify-slots)-(\d+)-(\d+|up)\.pt2")
 
 def compiled_step(model, step: str) -> Callable:
     """The engine's `step` ("decode" or "verify") with compile=True: on the CPU, from packages; on CUDA,
-    torch.compile's graphs (model_runner.compiled)."""
+    torch.compile's graphs (steps.compiled)."""
     if model.device.type != "cpu":
-        return torch_compiled(model, step)
+        return steps.torch_compiled(model, step)
     return PackagedStep(model, step)
-
-
-def torch_compiled(model, step: str) -> Callable:
-    """`step` under torch.compile; verify keeps every guard (its graph may specialize a size: the slots, the width)."""
-    return compiled(getattr(model, step), model.device, size_guards=step == "verify")
 
 
 class PackagedStep:
@@ -61,7 +56,7 @@ class PackagedStep:
 
     def __init__(self, model, step: str):
         self.model, self.step = model, step
-        self.dim, self.what = step_export.VARIES[step]
+        self.dim, self.what = steps.VARIES[step]
         self.builds = self.loads = 0
         self.reason = ""
         self.unpackaged: Optional[Callable] = None  # torch.compile's step: for what no package runs, made when needed
@@ -78,9 +73,9 @@ class PackagedStep:
         if not self.reason and (self.step == "decode" or tokens.shape[0] == 1):
             step = self.step_for(tokens, positions, mask, caches)
             if step is not None:
-                return step(tokens, positions, mask, step_export.cache_inputs(caches))
+                return step(tokens, positions, mask, caches.tensors())
         if self.unpackaged is None:
-            self.unpackaged = torch_compiled(self.model, self.step)
+            self.unpackaged = steps.torch_compiled(self.model, self.step)
         return self.unpackaged(tokens, positions, mask, caches)
 
     def use_torch_compile(self, reason: str, level: int = logging.WARNING) -> None:
@@ -143,7 +138,7 @@ class PackagedStep:
                 path.unlink(missing_ok=True)
                 return None
             try:
-                step = step_export.load(path, self.model)
+                step = steps.load(path, self.model)
             except Exception as e:  # a corrupt or truncated package: any error the loader raises
                 log.warning("the compiled %s step %s does not load (%s: %s); compiling it again", self.step, path,
                             type(e).__name__, str(e)[:300])
@@ -165,14 +160,14 @@ class PackagedStep:
     def _build(self, folder: Path, tokens, positions, mask, caches: KVCaches) -> Optional[Callable]:
         start = time.perf_counter()
         try:
-            program = step_export.export_step(self.model, self.step, tokens, positions, mask, caches)
-            fewest, most = step_export.size_range(program, self.step)
+            program = steps.export_step(self.model, self.step, tokens, positions, mask, caches)
+            fewest, most = steps.size_range(program, self.step)
             target = folder / self.package_name(fewest, most)
             with tempfile.TemporaryDirectory(dir=folder) as work:
-                package = step_export.compile_package(program, Path(work) / target.name)
+                package = steps.compile_package(program, Path(work) / target.name)
                 package.chmod(0o600)  # writable by no one else whatever the umask, or no process would load it
                 os.replace(package, target)
-            step = step_export.load(target, self.model)
+            step = steps.load(target, self.model)
         except Exception as e:  # export and inductor raise many kinds; torch.compile may still do it
             self.use_torch_compile(f"packaging it failed ({type(e).__name__}: {str(e)[:300]})")
             return None

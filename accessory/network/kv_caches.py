@@ -80,6 +80,17 @@ class KVCaches:
         self.layers, self.columns, self.adapters = layers, columns, adapters
 
     @classmethod
+    def of_tensors(cls, pairs, columns: int, rings: Optional[tuple[bool, ...]] = None) -> "KVCaches":
+        """Caches over given tensors, one (keys, values) pair per layer, written in place: how an exported step (an
+        AOTInductor package, ONNX) takes them, as plain inputs. `rings`: which layers are rings (none by default)."""
+        rings = rings or (False,) * len(pairs)
+        return cls([KVCache(k, v, ring) for (k, v), ring in zip(pairs, rings)], columns)
+
+    def tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (keys, values): the inverse of `of_tensors`."""
+        return [(cache.k, cache.v) for cache in self.layers]
+
+    @classmethod
     def allocate(cls, model, rows: int, columns: int) -> "KVCaches":
         if columns > model.args.max_seq_len:
             raise ValueError(f"{columns} positions requested; the model was set up for max_seq_len "

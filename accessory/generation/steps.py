@@ -1,18 +1,20 @@
-"""The engine's static steps as AOTInductor packages: `Transformer.decode` (one token per row) or `Transformer.verify`
-(several per row: speculative decoding) exported with the KV caches as inputs (torch.export, sizes symbolic),
-compiled by inductor into a shared library, and the weights left out of it, to be given back at load time from the
-live model (no second copy in memory or on disk).
+"""How the engine's steps are compiled: `Transformer.decode` (one token per row) and `Transformer.verify` (several
+per row: speculative decoding), under torch.compile (`compiled`) or as AOTInductor packages (`export_step`,
+`compile_package`, `load`). packaged_steps.py decides which, and keeps the packages in the cache; nothing else
+compiles a step.
 
-A package's varying size (`VARIES`): a decode step's rows; a verify step's slots (tokens per row), at one row, where
-speculation pays (several rows verify under torch.compile). One package covers a range of that size: the CPU
-kernels take a different path for one row, and above a few rows the library's GEMM replaces them, so export narrows
-the size to the range the traced call's path holds for (`size_range`); packaged_steps.py keeps one package per
-range it meets.
+A package is the step exported with the KV caches as inputs (torch.export, sizes symbolic), compiled by inductor into
+a shared library, and the weights left out of it, to be given back at load time from the live model (no second copy
+in memory or on disk). Its varying size (`VARIES`): a decode step's rows; a verify step's slots (tokens per row), at
+one row, where speculation pays (several rows verify under torch.compile). One package covers a range of that size:
+the CPU kernels take a different path for one row, and above a few rows the library's GEMM replaces them, so export
+narrows the size to the range the traced call's path holds for (`size_range`); packaged_steps.py keeps one package
+per range it meets.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.fx.experimental._config as fx_config
@@ -20,29 +22,63 @@ import torch.utils._pytree as pytree
 from torch.export import Dim
 from torch.utils._sympy.numbers import int_oo
 
-from accessory.network.kv_caches import KVCache, KVCaches
+from accessory.network.kv_caches import KVCaches
 
 
 # The size a package of each step varies in: (the tokens' dimension, what it counts).
 VARIES = {"decode": (0, "rows"), "verify": (1, "slots")}
 
 
+def compiled(decode, device: torch.device, size_guards: bool = False):
+    """`decode` under torch.compile, as one graph with symbolic sizes (rows and columns vary as requests come and
+    go; a size of 1 gets its own graph), captured as CUDA graphs on CUDA (one per shape the buckets allow). On the
+    CPU, inductor's wrapper that calls the graph's kernels is C++ (`cpp_wrapper`), not Python: with about 150 calls
+    per step, 1.7 ms less per step here.
+
+    Guards: dynamo re-checks every module attribute the step reads on every call (about 1 ms here). Only tensor
+    guards are kept, on every tensor but the parameters (the inputs, the KV cache, the quantized weights): a
+    loaded model's parameters and attributes never change, and whatever else might is a tensor.
+
+    Sizes: the rows decoded and the KV cache's rows are independent, though often equal when a graph is traced;
+    without duck shapes they get symbols of their own (else the graph took them for one size, and a later call where
+    they differ failed its size checks: guards on sizes are among those dropped).
+
+    `size_guards`: keep every guard, for a step whose graph may specialize a size (the verify step's slots and
+    attention width did): a call whose sizes the graph cannot take compiles another instead of failing its size
+    checks, for about 1 ms more per call."""
+    options = {} if size_guards else {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}
+    if device.type == "cuda":
+        options["triton.cudagraphs"] = True
+    else:
+        options["cpp_wrapper"] = True
+    step = torch.compile(decode, fullgraph=True, dynamic=True, options=options)
+
+    def call(*args):
+        with fx_config.patch(use_duck_shape=False):
+            return step(*args)
+
+    return call
+
+
+def torch_compiled(model, step: str) -> Callable:
+    """`model.decode` or `model.verify` (`step`) under torch.compile; verify keeps every guard (its graph may
+    specialize a size: the slots, the width)."""
+    return compiled(getattr(model, step), model.device, size_guards=step == "verify")
+
+
 class StepOnCaches(torch.nn.Module):
     """`model.decode` or `model.verify` (`step`) with every layer's KV cache an input: forward(tokens, positions,
-    mask, caches), caches a list of (keys, values) per layer, written in place as the step writes its own; `rings`:
-    which layers' caches are sliding-window rings (part of the graph: package_key.py keys packages on them)."""
+    mask, caches), caches a list of (keys, values) per layer (`KVCaches.tensors`), written in place as the step
+    writes its own; `rings`: which layers' caches are sliding-window rings (part of the graph: package_key.py keys
+    packages on them)."""
 
     def __init__(self, model, step: str, rings: tuple[bool, ...]):
         super().__init__()
         self.model, self.step, self.rings = model, step, rings
 
     def forward(self, tokens, positions, mask, caches):
-        layers = [KVCache(k, v, ring) for (k, v), ring in zip(caches, self.rings)]
-        return getattr(self.model, self.step)(tokens, positions, mask, KVCaches(layers, mask.shape[-1]))
-
-
-def cache_inputs(caches: KVCaches) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(cache.k, cache.v) for cache in caches.layers]
+        return getattr(self.model, self.step)(tokens, positions, mask,
+                                              KVCaches.of_tensors(caches, mask.shape[-1], self.rings))
 
 
 def export_step(model, step: str, tokens, positions, mask, caches: KVCaches) -> torch.export.ExportedProgram:
@@ -63,7 +99,7 @@ def export_step(model, step: str, tokens, positions, mask, caches: KVCaches) -> 
     try:
         with torch.no_grad(), fx_config.patch(use_duck_shape=False):
             return torch.export.export(StepOnCaches(model, step, caches.rings).eval(),
-                                       (tokens, positions, mask, cache_inputs(caches)), dynamic_shapes=dynamic,
+                                       (tokens, positions, mask, caches.tensors()), dynamic_shapes=dynamic,
                                        strict=False)
     finally:  # export strips dynamo's size markings from its inputs, the live caches: a graph compiled later would
         for cache in caches.layers:  # take their heads for symbolic, and compile again for a new cache
@@ -96,7 +132,7 @@ def compile_package(program: torch.export.ExportedProgram, path: Path) -> Path:
 
 def load(path: Path, model) -> "LoadedStep":
     """The compiled step in package `path`, given the live model's weights (shared, not copied). Called as
-    step(tokens, positions, mask, cache_inputs(caches)) -> logits."""
+    step(tokens, positions, mask, caches.tensors()) -> logits."""
     runner = torch._inductor.aoti_load_package(str(path))
     constants = {name: _attribute(model, name.removeprefix("model.")) for name in runner.get_constant_fqns()}
     runner.load_constants(constants, check_full_update=True, user_managed=True)

@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers (distributed.py, tiny.py) for spawned ranks too
+TESTS = Path(__file__).resolve().parent  # the helpers and data/; the test files are in folders that mirror accessory/
+REPO = TESTS.parent
+# tests/ helpers (distributed.py, tiny.py) for spawned ranks too, and every test folder: a test module may import
+# another's fixtures' helpers by module name, from any folder (test files' names are unique across folders)
+sys.path[:0] = [str(TESTS), *sorted({str(p.parent) for p in TESTS.glob("*/test_*.py")})]
 
 from tiny import TINY_CONFIGS, tiny_state_dict  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 # `make test` runs the suite on two pytest-xdist workers (docs/testing.md). What they share is locked here: files
@@ -70,7 +72,7 @@ def pytest_xdist_make_scheduler(config, log):
             file = super()._split_scope(nodeid)
             name = Path(file).name
             together = next((files for files in RUN_TOGETHER if name in files), None)
-            return str(Path(file).parent / "+".join(sorted(together))) if together else file
+            return "+".join(sorted(together)) if together else file  # their folders may differ
 
         def _assign_work_unit(self, node) -> None:
             def seconds(scope: str) -> float:
@@ -167,7 +169,7 @@ def gemma3_gguf(pytestconfig) -> Path:
 @pytest.fixture(scope="session")
 def gemma3_reader(gemma3_gguf):
     """gguf's reader of the Gemma 3 file, opened once for the suite (its 262k tokens take about 10 s to parse):
-    tests/test_kquants.py's tensors and transformers' load in tests/test_real_gemma.py."""
+    tests/quant/test_kquants.py's tensors and transformers' load in tests/checkpoint/test_real_gemma.py."""
     import gguf
 
     return gguf.GGUFReader(gemma3_gguf)

@@ -153,8 +153,8 @@ def build_tiny_llava(folder, tokenizer, tower: str = "clip"):
     return model
 
 
-# Tiny random models of each family as transformers builds them (tests/test_families.py): GQA, and what each family
-# has of its own (qkv bias, q/k norm with an explicit head_dim, a sliding window, Gemma's everything).
+# Tiny random models of each family as transformers builds them (tests/network/test_families.py): GQA, and what each
+# family has of its own (qkv bias, q/k norm with an explicit head_dim, a sliding window, Gemma's everything).
 WINDOW = 24  # the sliding window of the windowed families: prompts of 60 tokens cross it
 FAMILY_CONFIGS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),

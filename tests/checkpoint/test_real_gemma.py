@@ -3,7 +3,7 @@ the same GGUF at 1 and 2 ranks (transformers reads the file itself, the independ
 the file with its K-quant bits kept, its greedy text starts as transformers' does.
 
 The float32 checkpoint is the file's import with its bits kept, dequantized (to exactly the gguf package's values:
-tests/test_kquants.py) and saved: the same weights `convert gguf` without --keep-quantized writes, made without a
+tests/quant/test_kquants.py) and saved: the same weights `convert gguf` without --keep-quantized writes, made without a
 second pass over the 262k-token file's metadata (about 30 s of the suite)."""
 from __future__ import annotations
 

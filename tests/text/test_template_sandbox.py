@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TESTS
 from accessory.errors import TokenizerError
 from accessory.text.template_sandbox import TEMPLATE_CHARS, template_environment
 from accessory.text.tokenizer import Tokenizer
 
-TEMPLATES = sorted((Path(__file__).parent / "data" / "chat_templates").glob("*.jinja"))
+TEMPLATES = sorted((TESTS / "data" / "chat_templates").glob("*.jinja"))
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.\nCall it once per city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": 'e.g. "Paris"'}},

@@ -64,7 +64,7 @@ def sse_lines(client, body: dict) -> list[str]:
 
 
 def test_an_empty_assistant_message_alone_is_a_400_naming_messages(api):
-    """Was a 500 (an IndexError once the empty turn was dropped), found by tests/test_fuzz.py's schemathesis."""
+    """Was a 500 (an IndexError once the empty turn was dropped), found by tests/serve/test_fuzz.py's schemathesis."""
     answer = api.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 3,
                                                     "messages": [{"role": "assistant", "content": ""}]})
     assert answer.status_code == 400, answer.text

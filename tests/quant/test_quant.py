@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from distributed import run_ranks
+from conftest import TESTS
 from tiny import greedy_ids
 
-PERPLEXITY_TEXT = Path(__file__).parent / "data" / "perplexity.txt"
+PERPLEXITY_TEXT = TESTS / "data" / "perplexity.txt"
 QUESTION = "What is the capital of France?"
 
 

@@ -7,7 +7,7 @@ resharded to 1 and 3 (the weights unchanged, bit for bit), in float, int8 and in
 `quantize_checkpoint`), and as a llama_peft model with LoRA factors and biases; transformers' greedy tokens for every
 family (qwen2 biases, qwen3 and gemma3 q/k norms, mistral and gemma3 windows) with 3 KV heads at 2 ranks; 2 KV heads
 copied at 4 ranks with their 3 query heads split 2 and 1 (saved so, resharded to 1 bit for bit, one process's
-logits). SmolLM2 at 2 ranks: tests/test_real_model.py (against transformers, like its 1 and 3 ranks)."""
+logits). SmolLM2 at 2 ranks: tests/model/test_real_model.py (against transformers, like its 1 and 3 ranks)."""
 from __future__ import annotations
 
 import functools

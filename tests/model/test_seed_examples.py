@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from distributed import free_port
+from conftest import TESTS
 
-HERE = Path(__file__).parent
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
@@ -34,7 +34,7 @@ def seed_examples(checkpoint, out: Path, ranks: int) -> list:
     launcher = ([sys.executable] if ranks == 1 else
                 [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--rdzv-backend=c10d",
                  f"--rdzv-endpoint=127.0.0.1:{free_port()}"])
-    return run_script(launcher + [str(HERE / "seed_examples.py"), str(checkpoint), str(out)], out, ranks)
+    return run_script(launcher + [str(TESTS / "seed_examples.py"), str(checkpoint), str(out)], out, ranks)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_the_examples_under_torchrun_at_three_ranks_see_what_one_process_sees(sm
 
 @pytest.mark.parametrize("ranks", [1, 3])
 def test_the_multi_gpu_example_with_mp_process(smollm2_checkpoint, single, tmp_path, ranks):
-    command = [sys.executable, str(HERE / "seed_mp_example.py"), str(smollm2_checkpoint), str(tmp_path / "out"),
+    command = [sys.executable, str(TESTS / "seed_mp_example.py"), str(smollm2_checkpoint), str(tmp_path / "out"),
                str(ranks), str(free_port())]
     streams = run_script(command, tmp_path / "out", ranks)
     assert all(stream == streams[0] for stream in streams), "the ranks streamed different texts"

@@ -1,7 +1,7 @@
 """Sharded-versus-single-process parity: every tiny checkpoint (saved as 1, 2 and 3 shards) loaded at every rank
 count its head counts allow (1, 2, 3, 4) gives the logits of the single-process run within 1e-5 and the same 16
 greedy tokens, identical on every rank. Pins resharding N -> M when neither divides the other, uneven splits, and
-KV-head replication when ranks outnumber KV heads. (Uneven head splits: tests/test_uneven_heads.py.)"""
+KV-head replication when ranks outnumber KV heads. (Uneven head splits: tests/network/test_uneven_heads.py.)"""
 from __future__ import annotations
 
 import pytest

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REPO
+
 MAX_SEQ_LEN = 4096  # the tiny MHA model's KV cache: 6 MiB a row at 4096 positions in float32 (its logits: 125 KiB)
 BUDGET = 256 << 20
-TESTS = Path(__file__).parent
+HERE = Path(__file__).parent
 # glibc's malloc with a fixed mmap threshold: every block of 128 KiB or more is mapped when allocated and unmapped
 # when freed, so the data segment is what is live (by default the threshold rises after a large block is freed, and
 # the heap then keeps freed memory: how much a later run may allocate would depend on the runs before it)
@@ -97,10 +99,10 @@ def child(folder: str, told: int) -> None:
 
 
 def run_child(folder: Path, told: int) -> tuple[dict, str]:
-    code = f"import sys; sys.path.insert(0, {str(TESTS)!r}); import test_batch_size_auto as t; " \
+    code = f"import sys; sys.path[:0] = [{str(HERE)!r}, {str(HERE.parent)!r}]; import test_batch_size_auto as t; " \
            f"t.child({str(folder)!r}, {told})"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(TESTS.parent), **STEADY_MALLOC))
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **STEADY_MALLOC))
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 

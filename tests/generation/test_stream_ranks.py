@@ -1,6 +1,6 @@
 """Ranks that disagree: a loop that breaks out of the stream on one rank only ends with RanksDisagree on every rank
 within the rank timeout, never a hang. (That the loop breaking on every rank ends alike everywhere, at 1 and 3 ranks,
-twice in a row, is tests/test_seed_examples.py, on LLaMA2-Accessory's own example.)"""
+twice in a row, is tests/model/test_seed_examples.py, on LLaMA2-Accessory's own example.)"""
 from __future__ import annotations
 
 import os
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from distributed import free_port
+from conftest import TESTS
 
 CONV_SEP = "."
 QUESTION = "Tell me about the moon."
@@ -39,7 +40,7 @@ def seed_loop(model, conv_sep: str = CONV_SEP, stop_after=None) -> tuple[str, in
 
 DISAGREEING_SCRIPT = """
 import logging, os, sys, time
-sys.path.insert(0, {tests!r})
+sys.path[:0] = {paths!r}
 rank = int(os.environ["RANK"])
 logging.basicConfig(format=f"[rank {{rank}}] %(message)s", level=logging.WARNING)
 from accessory.errors import RanksDisagree
@@ -69,8 +70,8 @@ def test_a_break_on_one_rank_only_ends_every_rank_with_a_named_error(smollm2_che
     raises too, or, blocked in a collective that the others never join, is ended by its watchdog with their
     message."""
     script = tmp_path / "disagree.py"
-    script.write_text(DISAGREEING_SCRIPT.format(tests=str(Path(__file__).parent), folder=str(smollm2_checkpoint),
-                                                timeout=TIMEOUT_S))
+    script.write_text(DISAGREEING_SCRIPT.format(paths=[str(TESTS), str(Path(__file__).parent)],
+                                                folder=str(smollm2_checkpoint), timeout=TIMEOUT_S))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(script)]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300, env=dict(

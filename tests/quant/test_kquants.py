@@ -311,8 +311,8 @@ def test_kept_model_at_1_and_2_ranks_gives_the_float_import_logits(converted):
 
 def test_gemma_file_import_records_its_kept_formats(gemma3_gguf, gemma_tensors):
     """Google's Gemma 3 270M Q4_K_M, imported with its bits kept (the cached import that `from_pretrained("x.gguf")`
-    makes, shared with tests/test_real_gemma.py, which checks its text): Q4_K, Q6_K, Q5_0 and Q8_0 matrices, as the
-    file holds them, recorded in meta.json and held so."""
+    makes, shared with tests/checkpoint/test_real_gemma.py, which checks its text): Q4_K, Q6_K, Q5_0 and Q8_0
+    matrices, as the file holds them, recorded in meta.json and held so."""
     from accessory.checkpoint.direct import imported
     from accessory.model.meta import MetaModel
 

@@ -30,7 +30,7 @@ def accessory_cli(args: list[str], ranks: int | None = None, timeout: int = 300)
 
 @pytest.mark.parametrize("ranks", [3, None], ids=["torchrun-3-ranks", "single-process"])
 def test_chat_answers_paris(smollm2_checkpoint, ranks):
-    """(9 ranks: tests/test_quant.py's one 9-rank run, float32 and the kept int4 bits against one process.)"""
+    """(9 ranks: tests/quant/test_quant.py's one 9-rank run, float32 and the kept int4 bits against one process.)"""
     result = accessory_cli(["generate", "--pretrained_path", str(smollm2_checkpoint), "--chat",
                             "--prompt", QUESTION, "--max_gen_len", "48"], ranks)
     assert result.returncode == 0, result.stderr

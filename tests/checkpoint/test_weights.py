@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from distributed import run_ranks
+from conftest import REPO
 from tiny import TINY_CONFIGS, tiny_state_dict
 
-REPO = Path(__file__).resolve().parent.parent
 TOKENS = [[1, 415, 2936, 9060, 338]]
 BASE_BF16 = {}  # the base's full tensors, as saved (filled by the `tuned` fixture)
 

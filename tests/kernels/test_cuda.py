@@ -1,5 +1,6 @@
 """The CUDA path, on a GPU. Every test here skips without CUDA (CI has none: the file costs nothing there); on a GPU
-machine `python -m pytest -q tests/test_cuda.py` runs them (benchmarks/README.md, "GPU", says where they last ran).
+machine `python -m pytest -q tests/kernels/test_cuda.py` runs them (benchmarks/README.md, "GPU", says where they last
+ran).
 
 - The Triton quantized products (accessory/kernels/cuda.py), int8 and int4, 1 to 64 rows, bfloat16 and float16,
   against x @ dequantize(W)^T in float64; torch's tinygemm (measured beside them by benchmarks/gpu.py) too.

@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from tiny import TINY_CONFIGS, tiny_state_dict
+from conftest import REPO
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
                                 reason="compiling the decode step needs a C++ compiler")
 
-REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["Hi", "The quick brown fox"]
 
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
@@ -32,7 +32,8 @@ SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_mi
 # One process: the compiled model's decode step against eager decoding on the same KV cache (logits, at as many rows
 # as there are prompts), and its greedy tokens against an eager model's, at 1 row and, with two prompts, at 2 rows;
 # with a speculative config, its verify step of one row and 3 slots against eager verify too, and its tokens at one
-# row only (several rows verify under torch.compile: tests/test_speculative.py). Prints what its steps made or loaded.
+# row only (several rows verify under torch.compile: tests/generation/test_speculative.py). Prints what its steps
+# made or loaded.
 PROCESS = """
 import json, logging, sys, torch
 from accessory.model.meta import MetaModel

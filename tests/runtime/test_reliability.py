@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REPO
+
 PROMPTS = ["Hi", "The quick brown fox", "Once upon a time there was"]
 ENDED = {"length", "stop"}
 
@@ -345,7 +347,7 @@ def test_a_failed_row_is_written_with_its_error_and_shown_by_the_demos():
     assert row["finish_reason"] == "error" and row["error"] == failed.error and row["output"] == "partial"
     assert "error" not in output_row(job, Event("a", "x", "", True, "length", 8), 8, 64)
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "demos"))
+    sys.path.insert(0, str(REPO / "demos"))
     import chat_ui
 
     assert chat_ui.status_line(failed) == "Failed (3 tokens): SamplingError: the logits hold NaN."

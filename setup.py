@@ -23,7 +23,7 @@ setup(
     },
     python_requires=">=3.10",
     # torch is pinned in requirements.txt (installed in the same pip command); any recent torch works here.
-    # Each extra is what that part imports (tests/test_packaging.py checks them against the imports).
+    # Each extra is what that part imports (tests/project/test_packaging.py checks them against the imports).
     install_requires=["torch>=2.4", "numpy", "sentencepiece", "tokenizers", "safetensors", "jinja2", "markupsafe",
                       "tqdm", "gguf", "transformers", "pyyaml", "llguidance", "pillow"],
     extras_require={

@@ -5,7 +5,7 @@ The ViT is written here, small and plain, rather than taken from transformers: i
 LLaMA blocks in components.py (LayerNorm, biases, a GELU MLP, bidirectional attention, learned positions, a class
 token), and a module of our own builds on the meta device, loads through checkpoint/load.py like every other
 tensor, and does not move with transformers' internals. transformers' LlavaForConditionalGeneration is the oracle
-it is tested against (tests/test_multimodal.py).
+it is tested against (tests/network/test_multimodal.py).
 
 Under tensor parallelism the tower and the projector are replicated: every rank holds them whole and computes the
 same features from the same pixels (the engine sends the pixels with the plan that admits the prompt). See

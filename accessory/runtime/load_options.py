@@ -16,7 +16,8 @@ PathLike = Union[str, Path]
 @dataclass(frozen=True, kw_only=True)
 class LoadOptions:
     """`MetaModel.from_pretrained`'s arguments but `warmup` (which runs once the model is loaded); its docstring
-    says what each means, and its signature carries these defaults (tests/test_load_options.py holds them equal)."""
+    says what each means, and its signature carries these defaults (tests/runtime/test_load_options.py holds them
+    equal)."""
     pretrained_path: Union[PathLike, Sequence[PathLike]]
     llama_type: Optional[str] = None
     llama_config: Optional[Sequence[PathLike]] = None
@@ -30,7 +31,7 @@ class LoadOptions:
     max_batch_size: Union[int, str] = 32  # or "auto" (generation/batch_size.py)
     compile: bool = False
     prefix_cache: bool = True
-    prefix_cache_bytes: int = 256 << 20  # EngineSettings' default (tests/test_load_options.py holds them equal)
+    prefix_cache_bytes: int = 256 << 20  # EngineSettings' default (tests/runtime/test_load_options.py holds them equal)
     rank_timeout: float = 60.0
     speculative_config: Optional[dict] = None
     lora: Optional[PathLike] = None

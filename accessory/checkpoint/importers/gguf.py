@@ -16,8 +16,8 @@ are import-only formats that hold the file's blocks byte for byte (4.5 to 6.6 bi
 1-D tensors) are dequantized.
 
 For architecture "llama" (Mistral's files say so too), llama.cpp's converter permutes HF's q/k back to Meta's
-interleaved RoPE layout before writing, so attn_q / attn_k are taken as they are (tests/test_importers.py pins this
-against transformers' GGUF loader, which applies the HF permutation on top of the stored tensors). qwen2, qwen3 and
+interleaved RoPE layout before writing, so attn_q / attn_k are taken as they are
+(tests/checkpoint/test_importers.py pins this against transformers' GGUF loader, which applies the HF permutation on top of the stored tensors). qwen2, qwen3 and
 gemma3 run on llama.cpp's NEOX RoPE: their q/k stay in HF's rotate-half layout and are permuted here, as from HF;
 gemma3's norm weights were stored as 1 + w (families.py says what each architecture needs).
 

@@ -3,16 +3,14 @@ this rank really has once the model is loaded, with a stated margin; every rank 
 rank's pick, and if allocating that many rows still fails the pick is halved until it does not.
 
 Per row: the KV cache at max_seq_len (every layer, this rank's KV heads, the model's dtype: the model's
-`KVCaches.row_nbytes`) plus a decode step's workspace (`step_row_nbytes`). The memory: the GPU's free memory
-(torch.cuda.mem_get_info), or on the CPU the available RAM (/proc/meminfo's MemAvailable) divided by the ranks of this
-machine, which share it. The prefix cache's bytes (finished sequences kept, `prefix_cache_bytes`) come off the top.
-`ACCESSORY_MEMORY_BUDGET` (bytes per rank) replaces the measured memory: for a container whose limit MemAvailable does
-not show, and for tests.
+`KVCaches.row_nbytes`) plus a decode step's workspace (`step_row_nbytes`). The memory: this rank's budget
+(network/memory.py `memory_budget`: the GPU's free memory, or on the CPU the available RAM and the memory cgroup's room,
+shared by the ranks of this machine; `ACCESSORY_MEMORY_BUDGET`, bytes per rank, replaces what is measured). The
+prefix cache's bytes (finished sequences kept, `prefix_cache_bytes`) come off the top.
 """
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,10 +18,10 @@ import torch
 
 from accessory.errors import ConfigError
 from accessory.network.kv_caches import KVCaches
+from accessory.network.memory import memory_budget
 
 log = logging.getLogger(__name__)
 
-BUDGET_ENV = "ACCESSORY_MEMORY_BUDGET"
 MARGIN = 0.05  # of the memory left free: allocator slack, fragmentation, the host's own objects
 AUTO = "auto"
 
@@ -69,47 +67,10 @@ def step_row_nbytes(model, columns: int) -> int:
     return logits + scores + hidden
 
 
-def local_ranks() -> int:
-    """Ranks on this machine (torchrun's LOCAL_WORLD_SIZE): on the CPU they share its RAM."""
-    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-
-
-def available_memory(device: torch.device) -> tuple[int, str]:
-    """(bytes this rank may use, where that figure comes from)."""
-    override = os.environ.get(BUDGET_ENV)
-    if override:
-        try:
-            value = int(override)
-        except ValueError:
-            value = 0
-        if value <= 0:
-            raise ConfigError(f"{BUDGET_ENV} must be a positive number of bytes per rank, got {override!r}")
-        return value, BUDGET_ENV
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free, f"free memory of {device}"
-    ranks = local_ranks()
-    available = available_ram()
-    return available // ranks, f"available RAM / {ranks} local ranks" if ranks > 1 else "available RAM"
-
-
-def available_ram() -> int:
-    """The kernel's estimate of the RAM that can be allocated without swapping (MemAvailable, what psutil reports as
-    `available`); free pages where /proc/meminfo cannot be read."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def auto_sizing(model, reserved: int) -> BatchSizing:
     """This rank's arithmetic for a model loaded and materialized, keeping `reserved` bytes (the prefix cache)."""
     columns = model.args.max_seq_len
-    memory, source = available_memory(model.device)
+    memory, source = memory_budget(model.device)
     return BatchSizing(memory, source, reserved, KVCaches.row_nbytes(model, columns), step_row_nbytes(model, columns),
                        columns)
 

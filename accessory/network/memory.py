@@ -20,60 +20,103 @@ def weight_bytes(model: nn.Module, dtype: torch.dtype) -> int:
     return sum(t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size()) for t in tensors)
 
 
-def available_bytes(device: torch.device) -> Optional[tuple[int, str]]:
-    """(bytes free for this process's tensors, where that figure comes from), or None where it cannot be known."""
+BUDGET_ENV = "ACCESSORY_MEMORY_BUDGET"  # bytes per rank, replacing what is measured
+
+
+def memory_budget(device: torch.device) -> tuple[int, str]:
+    """(bytes this rank may still allocate, where that figure comes from): `ACCESSORY_MEMORY_BUDGET` if set; on CUDA
+    the device's free memory; on the CPU the least of the RAM available (MemAvailable) and the room left under this
+    process's memory cgroup (`cgroup_room`), shared by this machine's ranks (LOCAL_WORLD_SIZE)."""
+    override = os.environ.get(BUDGET_ENV)
+    if override:
+        try:
+            value = int(override)
+        except ValueError:
+            value = 0
+        if value <= 0:
+            raise ConfigError(f"{BUDGET_ENV} must be a positive number of bytes per rank, got {override!r}")
+        return value, BUDGET_ENV
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free, f"free memory of {device}"
-    found = []
-    meminfo = _meminfo_kib("MemAvailable")
-    if meminfo is not None:
-        found.append((meminfo * 1024, "MemAvailable in /proc/meminfo"))
-    limit = _cgroup_room()
-    if limit is not None:
-        found.append((limit, "this container's memory limit (cgroup)"))
-    return min(found) if found else None
+    room, where = min([(available_ram(), "available RAM"), *cgroup_room()])
+    ranks = local_ranks()
+    return room // ranks, f"{where} / {ranks} local ranks" if ranks > 1 else where
+
+
+def local_ranks() -> int:
+    """Ranks on this machine (torchrun's LOCAL_WORLD_SIZE): on the CPU they share its RAM."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def available_ram() -> int:
+    """The kernel's estimate of the RAM that can be allocated without swapping (MemAvailable, what psutil reports as
+    `available`); free pages where /proc/meminfo cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def check_fits(model: nn.Module, dtype: torch.dtype, device: torch.device, config_source: str) -> None:
-    """Refuse a model whose weights cannot fit in the memory this machine has left, before allocating them.
-    On the CPU the ranks of one machine (LOCAL_WORLD_SIZE) share its memory."""
-    available = available_bytes(device)
-    if available is None:
-        return
-    room, where = available
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
-    need = weight_bytes(model, dtype) * ranks_here
+    """Refuse a model whose weights cannot fit in this rank's memory budget (`memory_budget`), before allocating
+    them."""
+    room, where = memory_budget(device)
+    need = weight_bytes(model, dtype)
     if need > room:
         args = model.args
         sizes = (f"dim {args.dim}, n_layers {args.n_layers}, vocab_size {args.vocab_size}, "
                  f"hidden size {args.ffn_hidden_dim}")
-        ranks = f" for the {ranks_here} ranks on this machine" if ranks_here > 1 else ""
-        raise ConfigError(f"{config_source}: the model ({sizes}) needs {_gib(need)} of {dtype} weights{ranks}; "
-                          f"only {_gib(room)} is available ({where})")
+        raise ConfigError(f"{config_source}: the model ({sizes}) needs {_gib(need)} of {dtype} weights on each "
+                          f"rank; only {_gib(room)} is available ({where})")
 
 
 def _gib(n: int) -> str:
     return f"{n / 2 ** 30:.1f} GiB"
 
 
-def _meminfo_kib(field: str) -> Optional[int]:
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+# version -> (the memory controller's folder under CGROUP_ROOT, the limit's file, the usage's file)
+CGROUP_FILES = {2: ("", "memory.max", "memory.current"), 1: ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes")}
+NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
+
+
+def cgroup_room(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT) -> list[tuple[int, str]]:
+    """[(bytes left under this process's memory cgroup limits, naming the limit's file)], or [] without a limit.
+    The cgroup is this process's own, found through /proc/self/cgroup (a rank may have one of its own), and its
+    parents' limits count too; v2 (`memory.max`) and v1 (`memory.limit_in_bytes`)."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
+        lines = proc_cgroup.read_text().splitlines()
     except OSError:
-        pass
-    return None
+        return []
+    found = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        version = 2 if line.startswith("0::") else 1 if "memory" in controllers.split(",") else None
+        if version is None:
+            continue
+        folder, limit_name, usage_name = CGROUP_FILES[version]
+        top = root / folder
+        group = top / path.lstrip("/")
+        while group == top or top in group.parents:  # this cgroup, then its parents up to the top
+            room = _room(group / limit_name, group / usage_name)
+            if room is not None:
+                found.append((room, f"the memory limit in {group / limit_name}"))
+            if group == top:
+                break
+            group = group.parent
+    return [min(found)] if found else []
 
 
-def _cgroup_room() -> Optional[int]:
-    """Bytes left under a cgroup v2 memory limit (memory.max minus memory.current), if there is one."""
+def _room(limit_file: Path, usage_file: Path) -> Optional[int]:
     try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit == "max":
+        limit = limit_file.read_text().strip()
+        if limit == "max" or int(limit) >= NO_LIMIT:
             return None
-        return int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text())
+        return max(0, int(limit) - int(usage_file.read_text()))
     except (OSError, ValueError):
         return None
 

@@ -83,7 +83,8 @@ def largest_that_runs(model, high: int) -> int:
 def child(folder: str, told: int) -> None:
     """In a process of its own: load, limit the data segment to BUDGET more, then auto's pick (told `told` bytes)
     and the bisection's."""
-    from accessory.generation.batch_size import BUDGET_ENV, auto_batch_size
+    from accessory.generation.batch_size import auto_batch_size
+    from accessory.network.memory import BUDGET_ENV
     from accessory.model.meta import MetaModel
     from accessory.network.kv_caches import KVCaches
 

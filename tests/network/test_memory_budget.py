@@ -1,0 +1,100 @@
+"""A rank's memory budget (network/memory.py `memory_budget`, `cgroup_room`): ACCESSORY_MEMORY_BUDGET, else the least
+of MemAvailable and the room under the process's own memory cgroup (v1 and v2, its parents' limits too), shared by
+the machine's ranks. Oracles: cgroup files written by hand; as root, a real cgroup v1 limit around a process, which
+must refuse a config that MemAvailable alone would let it try."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from accessory.errors import ConfigError
+from accessory.network import memory
+from accessory.network.memory import cgroup_room, memory_budget
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_a_v2_cgroup_counts_its_own_limit_and_its_parents(tmp_path):
+    root, proc = tmp_path / "cgroup", tmp_path / "proc_cgroup"
+    write(proc, "0::/job/rank1\n")
+    write(root / "job" / "memory.max", "1000\n")
+    write(root / "job" / "memory.current", "300\n")
+    write(root / "job" / "rank1" / "memory.max", "max\n")
+    write(root / "job" / "rank1" / "memory.current", "200\n")
+    assert cgroup_room(proc, root) == [(700, f"the memory limit in {root / 'job' / 'memory.max'}")]
+    write(root / "job" / "rank1" / "memory.max", "500\n")  # its own, lower
+    assert cgroup_room(proc, root) == [(300, f"the memory limit in {root / 'job' / 'rank1' / 'memory.max'}")]
+
+
+def test_a_v1_cgroup_reads_the_memory_controllers_line_and_no_limit_is_none(tmp_path):
+    root, proc = tmp_path / "cgroup", tmp_path / "proc_cgroup"
+    write(proc, "9:name=systemd:/\n5:cpu,cpuacct:/other\n4:memory:/rank0\n0::/\n")
+    write(root / "memory" / "memory.limit_in_bytes", "9223372036854771712\n")  # v1's "no limit"
+    write(root / "memory" / "memory.usage_in_bytes", "1\n")
+    assert cgroup_room(proc, root) == []
+    write(root / "memory" / "rank0" / "memory.limit_in_bytes", "2000\n")
+    write(root / "memory" / "rank0" / "memory.usage_in_bytes", "2500\n")  # over its limit: no room at all
+    assert cgroup_room(proc, root) == [(0, f"the memory limit in {root / 'memory' / 'rank0' / 'memory.limit_in_bytes'}")]
+
+
+def test_no_cgroup_file_means_no_limit(tmp_path):
+    assert cgroup_room(tmp_path / "missing", tmp_path) == []
+    write(tmp_path / "proc_cgroup", "not a cgroup line\n0::/x\n")
+    assert cgroup_room(tmp_path / "proc_cgroup", tmp_path / "empty") == []
+
+
+def test_the_budget_is_the_least_figure_shared_by_the_machines_ranks(monkeypatch):
+    monkeypatch.delenv(memory.BUDGET_ENV, raising=False)
+    monkeypatch.setattr(memory, "available_ram", lambda: 9000)
+    monkeypatch.setattr(memory, "cgroup_room", lambda: [(6000, "the memory limit in X")])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert memory_budget(torch.device("cpu")) == (2000, "the memory limit in X / 3 local ranks")
+    monkeypatch.setattr(memory, "cgroup_room", lambda: [])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert memory_budget(torch.device("cpu")) == (9000, "available RAM")
+    monkeypatch.setenv(memory.BUDGET_ENV, "123")
+    assert memory_budget(torch.device("cpu")) == (123, memory.BUDGET_ENV)
+    monkeypatch.setenv(memory.BUDGET_ENV, "lots")
+    with pytest.raises(ConfigError, match="ACCESSORY_MEMORY_BUDGET must be a positive number of bytes per rank, got "
+                                          "'lots'"):
+        memory_budget(torch.device("cpu"))
+
+
+V1_MEMORY = Path("/sys/fs/cgroup/memory")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not (V1_MEMORY / "cgroup.procs").exists(),
+                    reason="needs root and cgroup v1's memory controller")
+def test_a_process_in_a_memory_cgroup_is_refused_a_model_its_limit_cannot_hold(tiny_checkpoints, tmp_path):
+    """About 5.5 GB of float32 weights: MemAvailable on this machine may hold them, a 1.5 GiB cgroup cannot."""
+    from test_reliability import hostile_copy
+
+    folder = hostile_copy(tiny_checkpoints["mha", 1], tmp_path, {"dim": 4096, "n_heads": 32, "n_kv_heads": 32,
+                                                                  "hidden_dim": 11008, "n_layers": 8})
+    group = V1_MEMORY / f"accessory-test-{uuid.uuid4().hex[:8]}"
+    group.mkdir()
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(3 << 29))
+        script = ("import os\n"
+                  f"open({str(group / 'cgroup.procs')!r}, 'w').write(str(os.getpid()))\n"
+                  "from accessory.errors import ConfigError\nfrom accessory.model.meta import MetaModel\n"
+                  f"try:\n    MetaModel.from_pretrained({str(folder)!r}, max_seq_len=64)\n"
+                  "except ConfigError as e:\n    print(e)\n")
+        env = {key: value for key, value in os.environ.items() if key != memory.BUDGET_ENV}
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert re.search(r"needs [5-7]\.\d GiB of torch.float32 weights on each rank; only 1\.[0-4] GiB is available",
+                         out.stdout), out.stdout
+        assert f"(the memory limit in {group / 'memory.limit_in_bytes'})" in out.stdout, out.stdout
+    finally:
+        group.rmdir()  # the process has ended: the cgroup is empty

@@ -55,6 +55,8 @@ def main() -> None:
     p.add_argument("--transport", default="auto", choices=["auto", "gloo"])
     p.add_argument("--collectives", action="store_true", help="time one all-reduce and one gather instead")
     p.add_argument("--two-machines", action="store_true", help="as root: the ranks on two network namespaces")
+    p.add_argument("--pp", nargs="+", type=int, default=[1], help="--two-machines: pipeline stages, each size in turn "
+                   "(1: the ranks are tensor-parallel across the link; 2: a stage on each machine)")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -145,7 +147,7 @@ def decode_worker(args) -> None:
     folder = model_folder(model_name, dtype)
     quant = "int4" if dtype == "int4" and folder == model_folder(model_name, "float32") else None
     model = MetaModel.from_pretrained(folder, quant=quant, compile=mode == "compiled", max_seq_len=1024,
-                                      max_batch_size=max(args.batch_sizes))
+                                      max_batch_size=max(args.batch_sizes), pipeline_parallel_size=args.pp[0])
     model.stop_ids = set()
     for batch in args.batch_sizes:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
@@ -167,7 +169,7 @@ def decode_worker(args) -> None:
         waiting = model.ctx.all_gather_object(statistics.median(waits) / statistics.median(seconds))
         if model.ctx.is_source:
             result = {"model": model_name, "dtype": dtype, "mode": mode, "batch": batch,
-                      "ranks": model.ctx.world_size, "threads": torch.get_num_threads(),
+                      "ranks": model.ctx.world_size, "pp": args.pp[0], "threads": torch.get_num_threads(),
                       "transport": "shared memory" if model.ctx.local is not None else "gloo" if dist.is_initialized()
                       else "-", "tok_s": tokens / statistics.median(seconds), "all_seconds": seconds,
                       "bytes_per_token_rank": (statistics.median(sent) - prefill_sent) / (tokens - batch),
@@ -298,8 +300,10 @@ def two_machines(args) -> list[dict]:
             model_folder(model, "float32"), model_folder(model, "int4")
             for dtype in args.dtypes:
                 for mode in args.modes:
-                    print(f"{model} {dtype} {mode}: 2 machines x {per_machine} rank(s) ...", file=sys.stderr)
-                    results += two_machine_job(args, model, dtype, mode, per_machine)
+                    for pp in args.pp:
+                        print(f"{model} {dtype} {mode}: 2 machines x {per_machine} rank(s), --pp {pp} ...",
+                              file=sys.stderr)
+                        results += two_machine_job(args, model, dtype, mode, per_machine, pp)
                     worker = ["--worker", "decode", "--models", model, "--dtypes", dtype, "--modes", mode]
                     for threads in sorted({args.threads_per_rank, 2 * per_machine * args.threads_per_rank}):
                         results += run_job(args, worker, 1, threads)
@@ -309,12 +313,12 @@ def two_machines(args) -> list[dict]:
     return results
 
 
-def two_machine_job(args, model: str, dtype: str, mode: str, per_machine: int) -> list[dict]:
+def two_machine_job(args, model: str, dtype: str, mode: str, per_machine: int, pp: int = 1) -> list[dict]:
     port = 29400 + os.getpid() % 500
     jobs, out = [], []
     for node, namespace in enumerate(NAMESPACES):
         torchrun_args = ("--nnodes=2", f"--node-rank={node}", f"--master-addr={ADDRESSES[0]}", f"--master-port={port}")
-        worker = ["--worker", "decode", "--models", model, "--dtypes", dtype, "--modes", mode]
+        worker = ["--worker", "decode", "--models", model, "--dtypes", dtype, "--modes", mode, "--pp", str(pp)]
         env = {"GLOO_SOCKET_IFNAME": f"veth{node}"}
         jobs.append((node, worker, torchrun_args, env, namespace))
     from concurrent.futures import ThreadPoolExecutor
@@ -325,7 +329,7 @@ def two_machine_job(args, model: str, dtype: str, mode: str, per_machine: int) -
         for future in futures:
             out += future.result()
     for r in out:
-        r["ranks_note"] = f"2 machines x {per_machine}"
+        r["ranks_note"] = f"2 machines x {per_machine}" + (f", --pp {pp}" if pp > 1 else ", tensor-parallel")
     return out
 
 

@@ -67,7 +67,8 @@ def load_weights(model: nn.Module, folders: Sequence[Path], progress: bool = Tru
     A quantized weight (quantized_weight.py) loads its parts as they are from a quantized checkpoint, or is quantized
     while loading from a float one: this rank's float slice, one tensor at a time, so no float copy of the whole
     model ever exists."""
-    sources = open_checkpoint(folders)
+    sources = {key: terms for key, terms in open_checkpoint(folders).items()
+               if not model.on_other_stage(key)}  # another pipeline stage's: never read here
     units = _load_units(model, sources)
     problem = key_mismatch(sources.keys(), {key for keys, _ in units for key in keys} | model.held_elsewhere())
     if problem:

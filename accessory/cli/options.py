@@ -49,6 +49,14 @@ def both_spellings(parser: argparse.ArgumentParser) -> None:
                     each._option_string_actions[other] = action
 
 
+def pipeline_layers(text: str) -> str:
+    """--pp-layers: even, auto, or whole numbers >= 1 separated by commas (checked against --pp and the model's layer
+    count once it is read)."""
+    if text in ("even", "auto") or all(part.strip().isdigit() and int(part) >= 1 for part in text.split(",")):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: expected even, auto, or a layer count per stage such as 12,18")
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     add_config_arg(parser)
     model = parser.add_argument_group("model")
@@ -72,6 +80,14 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        help="weight-only quantization while loading (--quant alone: int8; int4: the blocks' linears "
                        "in int4, the embedding in int8); a quantized checkpoint loads in its own format. With the "
                        "built-in model, int4 runs the GGUF file's own Q4_1 bits")
+    ranks = parser.add_argument_group("ranks (under torchrun: world = data-parallel x pipeline x tensor)")
+    ranks.add_argument("--pp", dest="pipeline_parallel_size", type=positive_int, default=1, metavar="N",
+                       help="pipeline stages: the model-parallel ranks split into N stages of consecutive ranks, each "
+                       "holding a contiguous run of layers and tensor-parallel inside; a stage per machine sends one "
+                       "activation a token across the network (docs/multinode.md; default: 1)")
+    ranks.add_argument("--pp-layers", dest="pipeline_layers", type=pipeline_layers, metavar="even|auto|A,B,...",
+                       help="how the layers split over the --pp stages: even (default), auto (by each stage's memory "
+                       "budget: its cgroup limit, available RAM or free GPU memory) or a count per stage, e.g. 12,18")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--rank-timeout", type=positive_float, default=LoadOptions.rank_timeout,
                         help="seconds after which a rank that stopped answering (frozen, lost) ends every rank, "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from accessory.cli.options import byte_size, positive_int
+from accessory.cli.options import byte_size, pipeline_layers, positive_int
 
 
 def add_convert_verb(verbs) -> None:
@@ -72,6 +72,15 @@ def add_inspect_verb(verbs) -> None:
     inspect.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     inspect.add_argument("--ranks", type=positive_int, help="a mixture of experts: also show which experts each of "
                          "this many ranks would hold")
+    plan = inspect.add_argument_group("placement plan (before anything loads: layers, weight bytes and KV cache per "
+                                      "rank)")
+    plan.add_argument("--tp", type=positive_int, help="tensor-parallel ranks a stage")
+    plan.add_argument("--pp", type=positive_int, help="pipeline stages")
+    plan.add_argument("--pp-layers", type=pipeline_layers, metavar="even|auto|A,B,...",
+                      help="the layer split, as `generate --pp-layers` takes it (auto: this machine's budget a stage)")
+    plan.add_argument("--quant", choices=["int8", "int4"], help="as loading with --quant would hold a float checkpoint")
+    plan.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="float dtype (default: fp32)")
+    plan.add_argument("--max_seq_len", type=positive_int, default=4096, help="KV cache positions a row")
     inspect.set_defaults(handler=run_inspect)
 
 
@@ -82,9 +91,31 @@ def run_inspect(args) -> None:
     from accessory.checkpoint.inspect import format_report, inspect_checkpoint
 
     report = inspect_checkpoint(Path(args.path), args.ranks)
-    print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report), flush=True)
+    plan = placement_plan(report, args) if (args.tp or args.pp) and not report.problems else None
+    if args.json:
+        print(json.dumps({**report.to_dict(), **({"plan": plan} if plan else {})}, indent=2), flush=True)
+    else:
+        print(format_report(report) + (f"\n{plan}" if plan else ""), flush=True)
     if report.problems:
         sys.exit(1)
+
+
+def placement_plan(report, args) -> str:
+    """The stages and ranks `--tp`/`--pp` would give the inspected model (runtime/placement.py `plan_text`)."""
+    from pathlib import Path
+
+    from accessory.checkpoint.config import read_spec
+    from accessory.checkpoint.direct import imported
+    from accessory.runtime.loading import DTYPES
+    from accessory.runtime.placement import plan_text
+
+    config = {**report.config, "max_seq_len": args.max_seq_len}
+    formats = None
+    if report.quantization is not None or report.format == "gguf":  # held in its own formats, as loading would
+        spec = read_spec([imported(Path(report.path))])
+        formats = spec.quantization.tensors if spec.quantization is not None else None
+    return plan_text(report.llama_type or "llama", config, formats, args.quant, args.tp or 1, args.pp or 1,
+                     args.pp_layers, DTYPES[args.dtype], f"config of {report.path}")
 
 
 def add_reshard_verb(verbs) -> None:

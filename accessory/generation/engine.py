@@ -33,6 +33,7 @@ from accessory.generation.speculation import Speculation
 from accessory.generation.speculative import SpeculativeConfig
 from accessory.generation.wire import share_plan
 from accessory.network.kv_caches import KVCaches
+from accessory.parallel.layers import make_shard
 from accessory.parallel.watchdog import announce_failure
 
 
@@ -202,6 +203,8 @@ class Engine:
     def vocab_slice(self) -> tuple[range, int]:
         """The token ids whose logits this rank computes (its rows of the output projection, within the ids the
         engine samples), and how many it computes, padded alike on every rank."""
+        if not self.model.stage.last:  # the head is on the last pipeline stage: no ids here, padded as there
+            return range(0), make_shard(0, self.model.args.vocab_size, self.model.stage.tensor.world_size, 0).local_size
         shard = self.model.output.weight_shard
         return range(shard.start, max(shard.start, min(shard.stop, self.vocab_size))), shard.local_size
 

@@ -8,7 +8,8 @@ padded, and a row that leaves frees its cache row at once (a live row from the e
 2. `compact`: the rows that finished are copied into the retained rows (`_retain`, for the prefix cache), then the
    kept rows move into the holes, so the live rows are 0..n-1 again.
 3. `_decode`: one token for each kept row at that row's next position, through `Engine.decode_step`
-   (`Transformer.decode`: static shapes, no host sync; with `compile`, a compiled graph: steps.py), attending over
+   (`Transformer.decode`: static shapes, no host sync; with `compile`, a compiled graph: steps.py; under a pipeline,
+   each stage's, with the hidden states handed on between them: `Transformer.through`), attending over
    a power-of-two number of columns (`_bucket`). With speculative decoding, rows with proposals (speculative.py)
    are scored with them in one `Engine.verify_step` instead (`_verify`), and the next step first drops the
    proposals the source rank rejected (`_settle`).
@@ -110,7 +111,7 @@ class ModelRunner:
         """Each token's log-probability after those before it, and the MAX_LOGPROBS most likely there (a forward
         pass of its own, nothing cached: reused prefixes have no logits); from the ranks' vocabulary slices."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
-        local = self.model.forward(ids, gather=False)[0, :-1]
+        local = self.model.through(self.model.forward, ids, gather=False)[0, :-1]
         return slice_logprobs(self.engine.ctx, local, self.vocab.tokens, ids[0, 1:],
                               min(MAX_LOGPROBS, self.engine.vocab_size))
 
@@ -170,7 +171,8 @@ class ModelRunner:
         positions = torch.zeros(padded, dtype=torch.long)
         positions[:n] = torch.tensor(ends)
         token_ids, positions = token_ids.to(device), positions.to(device)
-        logits = self.engine.decode_step(token_ids, positions, decode_mask(positions, width), self.caches)
+        logits = self.model.through(self.engine.decode_step, token_ids, positions, decode_mask(positions, width),
+                                    self.caches)
         for row, token in zip(self.cached, tokens):
             row.append(token)
         return logits[:n, None]
@@ -207,11 +209,12 @@ class ModelRunner:
         width = _bucket(int(positions.max()) + 1, self.columns)
         token_ids, positions = token_ids.to(device), positions.to(device)
         if slots == 1:
-            logits = self.engine.decode_step(token_ids[:, 0], positions[:, 0], decode_mask(positions[:, 0], width),
-                                             self.caches)
+            logits = self.model.through(self.engine.decode_step, token_ids[:, 0], positions[:, 0],
+                                        decode_mask(positions[:, 0], width), self.caches)
             logits = logits[:, None]
         else:
-            logits = self.engine.verify_step(token_ids, positions, decode_mask(positions, width), self.caches)
+            logits = self.model.through(self.engine.verify_step, token_ids, positions, decode_mask(positions, width),
+                                        self.caches)
         for row, seq in zip(self.cached, sequences):
             row.extend(seq)
         return logits[:n]
@@ -299,7 +302,8 @@ class ModelRunner:
         for prompt, row, past, _, adapter in parts:
             segments.append(Segment(start, len(prompt) - past, row, past, adapter))
             start += len(prompt) - past
-        return self.model.prefill(tokens, segments, self.caches, [image for _, _, _, image, _ in parts])
+        return self.model.through(self.model.prefill, tokens, segments, self.caches,
+                                  [image for _, _, _, image, _ in parts], lead=(len(segments),))
 
 
 def _bucket(columns: int, limit: int) -> int:

@@ -21,8 +21,9 @@ SOURCE_SUFFIXES = (".py", ".c", ".cpp")
 
 def model_key(model) -> str:
     """The part of the key a loaded model fixes (computed once per engine: it reads no weight's values)."""
+    tensor = model.stage.tensor  # the ranks the step's collectives run over (a pipeline stage's, or the whole group's)
     return _digest([*_graph_parts(model), f"rank {model.ctx.rank}",
-                    f"shared-memory group {model.ctx.local.handle if model.ctx.local is not None else None}"])
+                    f"shared-memory group {tensor.local.handle if tensor.local is not None else None}"])
 
 
 def graph_family(model) -> str:

@@ -100,7 +100,8 @@ class PackagedStep:
             positions = torch.arange(size, device=self.model.device)
             positions = torch.zeros_like(positions) if self.step == "decode" else positions[None]
             with torch.inference_mode():
-                self(torch.zeros_like(positions), positions, decode_mask(positions, columns), caches)
+                self(self.model.stage_input(torch.zeros_like(positions)), positions, decode_mask(positions, columns),
+                     caches)
             if self.reason:
                 raise ConfigError(f"the {self.step} step cannot be packaged: {self.reason}")
             fewest, last, _ = self.loaded_step(self.key(caches), size)
@@ -208,9 +209,10 @@ def one_build_at_a_time(compiled: Path, family: str):
 
 def why_not_packaged(model) -> Optional[str]:
     """Why the model's steps cannot be packaged here, or None."""
-    if model.ctx.world_size > 1 and model.ctx.local is None:
+    tensor = model.stage.tensor  # the ranks its collectives run over
+    if tensor.world_size > 1 and tensor.local is None:
         return (f"a package's collectives must be shared-memory operators (through gloo they fail when it runs), and "
-                f"this model's {model.ctx.world_size} ranks exchange through gloo")
+                f"this model's {tensor.world_size} tensor-parallel ranks exchange through gloo")
     if any(isinstance(module, MoEFeedForward) for module in model.modules()):
         return "a mixture of experts' dispatch (accessory::grouped_experts) is a Python operator, which an " \
                "AOTInductor package cannot call"

@@ -47,7 +47,8 @@ class MetaModel(nn.Module):
                         prefix_cache_bytes: int = EngineSettings.prefix_cache_bytes,
                         rank_timeout: float = 60.0, warmup: bool = False,
                         speculative_config: Optional[dict] = None, lora: Optional[PathLike] = None,
-                        lora_modules: Optional[dict[str, PathLike]] = None) -> "MetaModel":
+                        lora_modules: Optional[dict[str, PathLike]] = None, pipeline_parallel_size: int = 1,
+                        pipeline_layers: Optional[str] = None) -> "MetaModel":
         """Load a checkpoint folder (or a list of folders, later ones overriding earlier ones) onto the
         model-parallel group `mp_group` (default: fairscale's model-parallel group if this process set one up, as
         LLaMA2-Accessory's scripts do with `initialize_model_parallel(n)`; else the torchrun world; else this
@@ -88,6 +89,12 @@ class MetaModel(nn.Module):
         end every rank with a named error within about this long, instead of a hang. A watchdog thread beats for
         each rank (`accessory.parallel.watchdog`); it ends the process when its rank cannot raise.
 
+        `pipeline_parallel_size` (`--pp`): split the model-parallel group's ranks into this many pipeline stages
+        of consecutive ranks, each holding a contiguous run of layers (tensor-parallel inside the stage: world =
+        data-parallel x pipeline x tensor); each rank reads only its stage's tensors. `pipeline_layers`
+        (`--pp-layers`): "even" (the default), "auto" (by each stage's memory budget) or a count per stage,
+        "12,18". Not with speculative decoding. See docs/multinode.md.
+
         `with_visual`: LLaMA2-Accessory's flag for a model that reads images. A vision-language checkpoint (llama_type
         "llava") loads its vision tower either way; with_visual=True on a text model is an error.
         """
@@ -96,7 +103,8 @@ class MetaModel(nn.Module):
             tokenizer_path=tokenizer_path, with_visual=with_visual, max_seq_len=max_seq_len, mp_group=mp_group,
             dtype=dtype, device=device, quant=quant, max_batch_size=max_batch_size, compile=compile,
             prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes, rank_timeout=rank_timeout,
-            speculative_config=speculative_config, lora=lora, lora_modules=lora_modules), warmup)
+            speculative_config=speculative_config, lora=lora, lora_modules=lora_modules,
+            pipeline_parallel_size=pipeline_parallel_size, pipeline_layers=pipeline_layers), warmup)
 
     @classmethod
     def from_options(cls, options: LoadOptions, warmup: bool = False) -> "MetaModel":

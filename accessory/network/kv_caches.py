@@ -110,12 +110,13 @@ class KVCaches:
 
     @staticmethod
     def row_nbytes(model, columns: int) -> int:
-        """Bytes one row of `columns` positions takes (every layer's keys and values) on the rank holding the most
-        KV heads, rank 0: with uneven head splits ranks hold different numbers, and what is decided from this (rows
-        kept for the prefix cache, caches kept between runs) must be decided alike on every rank."""
+        """Bytes one row of `columns` positions takes (its layers' keys and values) on the rank holding the most
+        KV heads, tensor rank 0 of the pipeline stage whose layers' caches are widest: with uneven head splits ranks
+        hold different numbers, stages hold different layers, and what is decided from this (rows kept for the
+        prefix cache, caches kept between runs) must be decided alike on every rank."""
         args = model.args
-        kv_heads = len(head_placement(args.n_heads, args.n_kv_heads, model.ctx.world_size, 0).kv_heads)
-        widths = sum(layer_columns(window, columns) for window in model.windows)
+        kv_heads = len(head_placement(args.n_heads, args.n_kv_heads, model.stage.tensor.world_size, 0).kv_heads)
+        widths = max(sum(layer_columns(args.layer_window(i), columns) for i in layers) for layers in model.stage.split)
         return 2 * kv_heads * args.head_dim * widths * model.dtype.itemsize
 
     def nbytes(self, model) -> int:

@@ -6,7 +6,7 @@ import ctypes
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -26,7 +26,8 @@ BUDGET_ENV = "ACCESSORY_MEMORY_BUDGET"  # bytes per rank, replacing what is meas
 def memory_budget(device: torch.device) -> tuple[int, str]:
     """(bytes this rank may still allocate, where that figure comes from): `ACCESSORY_MEMORY_BUDGET` if set; on CUDA
     the device's free memory; on the CPU the least of the RAM available (MemAvailable) and the room left under this
-    process's memory cgroup (`cgroup_room`), shared by this machine's ranks (LOCAL_WORLD_SIZE)."""
+    process's memory cgroup (`cgroup_room`): the RAM shared by this machine's ranks (LOCAL_WORLD_SIZE), a cgroup's
+    room by the ranks inside it (a rank in a cgroup of its own has its room to itself)."""
     override = os.environ.get(BUDGET_ENV)
     if override:
         try:
@@ -39,9 +40,9 @@ def memory_budget(device: torch.device) -> tuple[int, str]:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free, f"free memory of {device}"
-    room, where = min([(available_ram(), "available RAM"), *cgroup_room()])
     ranks = local_ranks()
-    return room // ranks, f"{where} / {ranks} local ranks" if ranks > 1 else where
+    ram = (available_ram() // ranks, f"available RAM / {ranks} local ranks" if ranks > 1 else "available RAM")
+    return min([ram, *cgroup_room()])
 
 
 def local_ranks() -> int:
@@ -61,17 +62,21 @@ def available_ram() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_fits(model: nn.Module, dtype: torch.dtype, device: torch.device, config_source: str) -> None:
+def check_fits(model: nn.Module, dtype: torch.dtype, device: torch.device, config_source: str,
+               what_fits: Optional[Callable[[int], str]] = None) -> None:
     """Refuse a model whose weights cannot fit in this rank's memory budget (`memory_budget`), before allocating
-    them."""
+    them; `what_fits(room)` says what would (runtime/placement.py)."""
     room, where = memory_budget(device)
     need = weight_bytes(model, dtype)
     if need > room:
         args = model.args
         sizes = (f"dim {args.dim}, n_layers {args.n_layers}, vocab_size {args.vocab_size}, "
                  f"hidden size {args.ffn_hidden_dim}")
+        stage = model.stage
+        here = f" ({stage.describe()})" if stage.count > 1 else ""
         raise ConfigError(f"{config_source}: the model ({sizes}) needs {_gib(need)} of {dtype} weights on each "
-                          f"rank; only {_gib(room)} is available ({where})")
+                          f"rank{here}; only {_gib(room)} is available ({where})"
+                          + (f"; {what_fits(room)}" if what_fits is not None else ""))
 
 
 def _gib(n: int) -> str:
@@ -84,10 +89,12 @@ CGROUP_FILES = {2: ("", "memory.max", "memory.current"), 1: ("memory", "memory.l
 NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
 
 
-def cgroup_room(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT) -> list[tuple[int, str]]:
-    """[(bytes left under this process's memory cgroup limits, naming the limit's file)], or [] without a limit.
-    The cgroup is this process's own, found through /proc/self/cgroup (a rank may have one of its own), and its
-    parents' limits count too; v2 (`memory.max`) and v1 (`memory.limit_in_bytes`)."""
+def cgroup_room(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT,
+                sharing: Callable[[Path], int] = lambda group: ranks_in_cgroup(group)) -> list[tuple[int, str]]:
+    """[(this rank's share of the bytes left under its process's memory cgroup limits, naming the limit's file)], or
+    [] without a limit. The cgroup is this process's own, found through /proc/self/cgroup (a rank may have one of
+    its own), and its parents' limits count too; v2 (`memory.max`) and v1 (`memory.limit_in_bytes`). A limit's
+    room is shared by this job's ranks inside that cgroup (`sharing`)."""
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
@@ -104,11 +111,34 @@ def cgroup_room(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGRO
         while group == top or top in group.parents:  # this cgroup, then its parents up to the top
             room = _room(group / limit_name, group / usage_name)
             if room is not None:
-                found.append((room, f"the memory limit in {group / limit_name}"))
+                ranks = sharing(group)
+                found.append((room // ranks, f"the memory limit in {group / limit_name}"
+                                             + (f" / {ranks} ranks in it" if ranks > 1 else "")))
             if group == top:
                 break
             group = group.parent
     return [min(found)] if found else []
+
+
+def ranks_in_cgroup(group: Path) -> int:
+    """How many of this job's ranks on this machine (torchrun's workers of this run) are in cgroup `group` or below
+    it, sharing its limit: at least 1, this one."""
+    run, ranks = os.environ.get("TORCHELASTIC_RUN_ID"), local_ranks()
+    if run is None or ranks == 1:
+        return 1
+    mark, count = f"TORCHELASTIC_RUN_ID={run}".encode(), 0
+    for folder, _, _ in os.walk(group):
+        try:
+            pids = Path(folder, "cgroup.procs").read_text().split()
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            count += mark in environ and any(item.startswith(b"LOCAL_RANK=") for item in environ)
+    return max(1, min(count, ranks))
 
 
 def _room(limit_file: Path, usage_file: Path) -> Optional[int]:

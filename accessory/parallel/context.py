@@ -215,6 +215,13 @@ class ParallelContext:
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         return cls(group, dist.get_rank(group), world, dist.get_global_rank(group, 0), timeout_s, local, device)
 
+    @classmethod
+    def of_stage(cls, group: Optional[dist.ProcessGroup], whole: "ParallelContext") -> "ParallelContext":
+        """A pipeline stage's tensor-parallel ranks (`group`; None: this rank alone), within `whole`'s group."""
+        if group is None:
+            return cls(None, 0, 1, dist.get_rank(), whole.timeout_s, device=whole.device)
+        return cls.from_group(group, whole.timeout_s)
+
     @property
     def is_source(self) -> bool:
         return self.rank == 0

@@ -82,7 +82,7 @@ class Watchdog:
             lost = self.silent_ranks(self.timeout_s)
             if lost:
                 rank = max(lost, key=lost.get)
-                self._fail(f"rank {rank} has not answered for {lost[rank]:.0f} s (--rank-timeout "
+                self._fail(f"rank {rank}{self._role(rank)} has not answered for {lost[rank]:.0f} s (--rank-timeout "
                            f"{self.timeout_s:g}): it is frozen or lost; ending every rank", rank)
 
     def announce_failure(self, message: str) -> None:
@@ -95,6 +95,13 @@ class Watchdog:
             if self.store.check([_key("failed", rank)]):
                 return rank, self.store.get(_key("failed", rank)).decode()
         return None
+
+    def _role(self, rank: int) -> str:
+        """" (pipeline stage 1 of 2)", what `name_rank` said rank `rank` does, or ""."""
+        try:
+            return f" ({self.store.get(_key('role', rank)).decode()})" if self.store.check([_key("role", rank)]) else ""
+        except Exception:  # the store is gone too: the rank's number alone
+            return ""
 
     def _fail(self, message: str, lost_rank: Optional[int]) -> None:
         log.error("%s", message)
@@ -132,6 +139,16 @@ def start_watchdog(timeout_s: float) -> Optional[Watchdog]:
         store = dist.distributed_c10d._get_default_store()
         _active = Watchdog(store, dist.get_rank(), dist.get_world_size(), timeout_s).start()
     return _active
+
+
+def name_rank(role: str) -> None:
+    """Say what this rank does ("pipeline stage 1 of 2"), for the other ranks' watchdogs to name it if it is lost;
+    nothing without a watchdog."""
+    if _active is not None:
+        try:
+            _active.store.set(_key("role", _active.rank), role)
+        except Exception as e:
+            log.warning("could not record this rank's role: %s", e)
 
 
 def active_watchdog() -> Optional[Watchdog]:

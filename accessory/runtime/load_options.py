@@ -25,6 +25,8 @@ class LoadOptions:
     with_visual: bool = False
     max_seq_len: int = 4096
     mp_group: Optional["torch.distributed.ProcessGroup"] = None
+    pipeline_parallel_size: int = 1
+    pipeline_layers: Optional[str] = None  # "even" (None), "auto", or a count per stage: "12,18"
     dtype: Union[None, str, "torch.dtype"] = None
     device: Union[None, str, "torch.device"] = None
     quant: Union[bool, None, str] = False

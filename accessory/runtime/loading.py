@@ -3,6 +3,7 @@ the network built on the meta device, quantized if asked, given memory, and each
 in (resharding as needed)."""
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,8 +26,11 @@ from accessory.network.memory import back_with_huge_pages, check_fits, return_fr
 from accessory.parallel import ParallelContext, fairscale_model_parallel_group, init_distributed, share_cores
 from accessory.parallel.context import leave_at_exit, warn_if_ranks_crowd_cores
 from accessory.parallel.layers import repack_int4_for_int8x
+from accessory.parallel.pipeline import Stage, pipeline_stage
 from accessory.parallel.watchdog import start_watchdog
 from accessory.runtime.load_options import LoadOptions, PathLike
+from accessory.runtime.placement import (check_stage_count, describe_plan, fitting_stages, kv_row_bytes, layer_split,
+                                         model_sizes, stage_budgets)
 from accessory.text.tokenizer import Tokenizer, find_tokenizer
 
 log = logging.getLogger(__name__)
@@ -86,7 +90,12 @@ def load(options: LoadOptions) -> Loaded:
         draft_folders = folders if speculative.model == "self" else [imported(Path(speculative.model))]
         if speculative.model == "self":
             check_self_draft(spec, quant, speculative.quant, folders[-1])
-    llma = load_network(folders, spec, tokenizer, ctx, options.max_seq_len, dtype, device, quant, adapters)
+    stages = check_stage_count(options.pipeline_parallel_size, ctx.world_size)
+    if stages > 1 and speculative is not None:
+        raise ConfigError(f"speculative decoding does not run under a pipeline (--pp {stages}) yet; drop "
+                          f"speculative_config (--speculative-config), or run without --pp")
+    llma = load_network(folders, spec, tokenizer, ctx, options.max_seq_len, dtype, device, quant, adapters, stages,
+                        options.pipeline_layers)
     draft = None
     if draft_folders is not None:
         draft_spec = spec
@@ -125,28 +134,44 @@ def adapter_paths(lora: Optional[PathLike], lora_modules: Optional[dict[str, Pat
 
 def load_network(folders: list[Path], spec: CheckpointSpec, tokenizer: Tokenizer, ctx: ParallelContext,
                  max_seq_len: int, dtype: torch.dtype, device: torch.device, quant,
-                 adapters: Sequence[tuple[int, Path]] = ()) -> nn.Module:
+                 adapters: Sequence[tuple[int, Path]] = (), stages: int = 1,
+                 stage_layers: Optional[str] = None) -> nn.Module:
     """The network of `folders` (read as `spec`), built on the meta device, quantized as `quant` says, with this
     rank's slice of every weight, in eval mode; with the PEFT `adapters` ((owner, folder): adapter_paths) attached
-    unmerged, in float."""
+    unmerged, in float. `stages`: pipeline stages over `ctx`'s ranks, their layers split as `stage_layers` says
+    (runtime/placement.py); this rank builds and reads only its stage's."""
     model_args, transformer = model_classes(spec.llama_type)
     config = resolved_config({**spec.config, "max_seq_len": max_seq_len}, tokenizer, str(folders[-1]))
     args = model_args.from_dict(config, source=f"config of {folders[-1]}")
     if tokenizer.n_words > args.vocab_size:
         raise ConfigError(f"tokenizer has {tokenizer.n_words} tokens but the model's vocab_size is "
                           f"{args.vocab_size}: they do not belong together")
-    args.check_parallel_size(ctx.world_size)  # before any weight is read
+    tp = ctx.world_size // check_stage_count(stages, ctx.world_size)
+    args.check_parallel_size(tp)  # before any weight is read
 
-    with torch.device("meta"):
-        llma = transformer(args, ctx)
-    formats, error = quantized_formats(llma, spec, quant, folders[-1]), None
-    try:
+    def build(stage: Stage) -> nn.Module:
+        llma = transformer(args, ctx, stage)
+        formats = quantized_formats(llma, spec, quant, folders[-1])
         if formats:
             llma.quantize_(formats)
+        return llma
+
+    sizes = functools.cache(lambda: model_sizes(build, args.n_layers, tp, dtype))
+    split = layer_split(args.n_layers, stages, stage_layers, sizes, lambda: stage_budgets(ctx, stages, device))
+    stage = pipeline_stage(ctx, split)
+    if stages > 1 and ctx.is_source:
+        log.info("pipeline of %d stages x %d tensor rank(s):\n%s", stages, tp,
+                 describe_plan(split, tp, sizes(), kv_row_bytes(args, split, tp, dtype)))
+    llma, error = None, None
+    try:
+        with torch.device("meta"):
+            llma = build(stage)
     except ConfigError as e:  # a rank whose slice does not fall on whole blocks: the others must hear of it too
         error = e
     ctx.raise_if_any_failed(error)
-    check_fits(llma, dtype, device, f"config of {folders[-1]}")  # before any memory is allocated
+    formats = llma.quantization
+    check_fits(llma, dtype, device, f"config of {folders[-1]}",  # before any memory is allocated
+               lambda room: fitting_stages(sizes(), room, args.n_layers, stages, tp))
     if device.type == "cpu":
         cpu_kernels()  # built once per machine (seconds), before anything is compiled
     llma.materialize(device, dtype)
@@ -161,8 +186,9 @@ def load_network(folders: list[Path], spec: CheckpointSpec, tokenizer: Tokenizer
     return_freed_memory()
     if device.type == "cpu":
         log.debug("%d MiB of weights on huge pages", back_with_huge_pages(llma) >> 20)
-    log.info("loaded %s (%s%s) at %d model-parallel rank(s), %s on %s%s", folders[-1], spec.llama_type,
-             f", {describe(formats)}" if formats else "", ctx.world_size, dtype, device,
+    log.info("loaded %s (%s%s) at %d model-parallel rank(s)%s, %s on %s%s", folders[-1], spec.llama_type,
+             f", {describe(formats)}" if formats else "", ctx.world_size,
+             f" ({stage.describe()} here)" if stages > 1 else "", dtype, device,
              f", PEFT adapter(s) {[str(path) for _, path in adapters]}" if adapters else "")
     return llma.eval()
 

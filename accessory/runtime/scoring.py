@@ -31,7 +31,8 @@ def logits_of(model, examples: list[list[int]], images: Optional[list]) -> list[
             tokens[row, :len(ids)] = torch.tensor(ids)
         placements = [ImagePlacement(row, 0, len(ids), image)
                       for row, (ids, image) in enumerate(zip(wave, images[start:])) if image is not None]
-        out = model.llma(tokens, placements)
+        llma = model.llma
+        out = llma.stage.from_last(llma.through(llma, tokens, placements), (*tokens.shape, llma.args.vocab_size))
         logits += [out[row, :len(ids)] for row, ids in enumerate(wave)]
     return logits
 

@@ -53,12 +53,15 @@ def test_no_cgroup_file_means_no_limit(tmp_path):
     assert cgroup_room(tmp_path / "proc_cgroup", tmp_path / "empty") == []
 
 
-def test_the_budget_is_the_least_figure_shared_by_the_machines_ranks(monkeypatch):
+def test_the_budget_is_the_least_figure_ram_shared_by_the_machines_ranks(monkeypatch):
+    """The RAM is shared by the machine's ranks; a cgroup's room comes already shared by the ranks inside it."""
     monkeypatch.delenv(memory.BUDGET_ENV, raising=False)
     monkeypatch.setattr(memory, "available_ram", lambda: 9000)
-    monkeypatch.setattr(memory, "cgroup_room", lambda: [(6000, "the memory limit in X")])
+    monkeypatch.setattr(memory, "cgroup_room", lambda: [(2500, "the memory limit in X")])
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    assert memory_budget(torch.device("cpu")) == (2000, "the memory limit in X / 3 local ranks")
+    assert memory_budget(torch.device("cpu")) == (2500, "the memory limit in X")
+    monkeypatch.setattr(memory, "cgroup_room", lambda: [(4000, "the memory limit in X")])
+    assert memory_budget(torch.device("cpu")) == (3000, "available RAM / 3 local ranks")
     monkeypatch.setattr(memory, "cgroup_room", lambda: [])
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert memory_budget(torch.device("cpu")) == (9000, "available RAM")
@@ -68,6 +71,20 @@ def test_the_budget_is_the_least_figure_shared_by_the_machines_ranks(monkeypatch
     with pytest.raises(ConfigError, match="ACCESSORY_MEMORY_BUDGET must be a positive number of bytes per rank, got "
                                           "'lots'"):
         memory_budget(torch.device("cpu"))
+
+
+def test_a_limit_is_shared_by_the_ranks_inside_it(tmp_path):
+    """A job's cgroup holding 2 ranks halves its room for each; a rank's own cgroup below it is its alone."""
+    root, proc = tmp_path / "cgroup", tmp_path / "proc_cgroup"
+    write(proc, "0::/job/rank1\n")
+    write(root / "job" / "memory.max", "1000\n")
+    write(root / "job" / "memory.current", "200\n")
+    ranks_in = lambda group: 2 if group == root / "job" else 1  # noqa: E731
+    assert cgroup_room(proc, root, ranks_in) == [(400, f"the memory limit in {root / 'job' / 'memory.max'} / 2 ranks "
+                                                       f"in it")]
+    write(root / "job" / "rank1" / "memory.max", "450\n")
+    write(root / "job" / "rank1" / "memory.current", "100\n")
+    assert cgroup_room(proc, root, ranks_in) == [(350, f"the memory limit in {root / 'job' / 'rank1' / 'memory.max'}")]
 
 
 V1_MEMORY = Path("/sys/fs/cgroup/memory")

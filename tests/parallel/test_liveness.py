@@ -103,15 +103,19 @@ def test_an_idle_server_keeps_serving_and_a_frozen_rank_ends_every_rank_with_an_
         server.stop()
 
 
-@pytest.mark.parametrize("stop, rank", [(signal.SIGSTOP, 2), (signal.SIGKILL, 0), (signal.SIGKILL, 2)],
-                         ids=["frozen-2", "killed-0", "killed-2"])
-def test_a_frozen_or_killed_rank_during_generate_ends_every_rank(tmp_path, smollm2_checkpoint, stop, rank):
+@pytest.mark.parametrize("ranks, pp, stop, rank", [(3, 1, signal.SIGSTOP, 2), (3, 1, signal.SIGKILL, 0),
+                                                  (3, 1, signal.SIGKILL, 2), (2, 2, signal.SIGSTOP, 1),
+                                                  (2, 2, signal.SIGKILL, 1)],
+                         ids=["frozen-2", "killed-0", "killed-2", "pp2-frozen-stage-1", "pp2-killed-stage-1"])
+def test_a_frozen_or_killed_rank_during_generate_ends_every_rank(tmp_path, smollm2_checkpoint, ranks, pp, stop,
+                                                                 rank):
+    """(pp2: two pipeline stages; a frozen stage is named as one.)"""
     log_path = tmp_path / "generate.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", "--rdzv-backend=c10d",
+            [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--rdzv-backend=c10d",
              f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "accessory", "generate", "--prompt", "Tell a story.",
-             "--max_gen_len", "2000", "--max_seq_len", "2048", "--rank-timeout", str(TIMEOUT_S)],
+             "--max_gen_len", "2000", "--max_seq_len", "2048", "--rank-timeout", str(TIMEOUT_S), "--pp", str(pp)],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     workers = []
     try:
@@ -126,7 +130,8 @@ def test_a_frozen_or_killed_rank_during_generate_ends_every_rank(tmp_path, smoll
         assert gone_within(proc, workers, TIMEOUT_S + 10), log_path.read_text()[-3000:]
         assert proc.returncode != 0
         if stop == signal.SIGSTOP:  # a killed rank ends its peers' collectives at once; a frozen one is found
-            assert f"rank {rank} has not answered" in log_path.read_text()
+            named = f"rank {rank} (pipeline stage {rank} of {pp}" if pp > 1 else f"rank {rank} has not answered"
+            assert named in log_path.read_text()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

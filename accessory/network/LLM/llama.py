@@ -20,6 +20,7 @@ from accessory.network.config import ModelArgs
 from accessory.network.kv_caches import KVCache, KVCaches
 from accessory.network.vision import ImagePlacement
 from accessory.parallel import AdapterRouting, ColumnParallelLinear, ParallelContext, ParallelEmbedding
+from accessory.parallel.pipeline import Stage
 from accessory.parallel.quantized_weight import QuantizedWeight
 
 
@@ -64,26 +65,51 @@ class TransformerBlock(nn.Module):
 ATTENTION_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo")
 
 
+class StageLayers(nn.ModuleList):
+    """A pipeline stage's blocks, named by their index in the whole model ("layers.15" on whichever stage holds
+    layer 15), so that checkpoint names and a stage's tensor names agree; indexed and iterated from the stage's first
+    block."""
+
+    def __init__(self, first: int, blocks):
+        nn.Module.__init__(self)
+        for i, block in enumerate(blocks):
+            self.add_module(str(first + i), block)
+
+    def __getitem__(self, index):
+        return list(self._modules.values())[index]
+
+
 class Transformer(nn.Module):
     """The language model. Build it on the meta device, optionally `quantize_` it, then `materialize` it and load
     weights into it. Three entry points share the weights: `forward` (scoring whole sequences), `prefill` and
     `decode` (the engine's, on the KV caches they are given, kv_caches.py; they return this rank's slice of the
-    logits, ungathered)."""
+    logits, ungathered).
+
+    Under a pipeline (`stage`: parallel/pipeline.py) the model is one stage of the whole: its run of layers, the
+    embedding on the first stage, the head on the last. Each entry point then takes the previous stage's hidden
+    states in place of tokens (but on the first stage) and returns its own (but on the last); `through` runs one
+    as a stage, receiving and sending them. `ctx` is the whole model's group (what the engine shares plans over);
+    the layers' collectives are the stage's own (`stage.tensor`)."""
 
     # Per-request PEFT adapters (checkpoint/peft_adapter.py attaches them): which adapter each token runs with (each
     # cache row's is in KVCaches.adapters); None without them.
     adapter_routing: Optional[AdapterRouting] = None
 
-    def __init__(self, args: ModelArgs, ctx: ParallelContext):
+    def __init__(self, args: ModelArgs, ctx: ParallelContext, stage: Optional[Stage] = None):
         super().__init__()
-        args.check_parallel_size(ctx.world_size)
         self.args, self.ctx = args, ctx
-        self.tok_embeddings = ParallelEmbedding(args.vocab_size, args.dim, ctx)
+        self.stage = stage = stage or Stage.whole(args.n_layers, ctx)
+        tensor = stage.tensor
+        args.check_parallel_size(tensor.world_size)
+        self.tok_embeddings = ParallelEmbedding(args.vocab_size, args.dim, tensor) if stage.first else None
         linears = self.block_linears(args)
-        self.windows = [args.layer_window(i) for i in range(args.n_layers)]  # None: a full-attention layer
-        self.layers = nn.ModuleList(TransformerBlock(args, ctx, linears, window) for window in self.windows)
+        self.windows = [args.layer_window(i) for i in stage.layers]  # None: a full-attention layer
+        self.layers = StageLayers(stage.layers.start, (TransformerBlock(args, tensor, linears, window)
+                                                       for window in self.windows))
+        # every stage has the final norm (a vector): the last applies it, the others read their dtype from it
         self.norm = RMSNorm(args.dim, eps=args.norm_eps, offset=args.norm_offset)
-        self.output = ColumnParallelLinear(args.dim, args.vocab_size, ctx, gather_output=True)
+        self.output = ColumnParallelLinear(args.dim, args.vocab_size, tensor, gather_output=True) if stage.last \
+            else None
         self._tie_embeddings()
         # (max_seq_len, head_dim / 2, 2) float32 rotations, one table per rotary embedding the layers use (Gemma 3's
         # sliding layers have their own), filled by materialize. Buffers (not saved), so a compiled step treats
@@ -103,7 +129,8 @@ class Transformer(nn.Module):
 
     def _tie_embeddings(self) -> None:
         """At one rank a tied output projection is the embedding table itself (one copy in memory); at more ranks
-        the two hold different slices of it (vocabulary rows and feature columns) and load it separately."""
+        the two hold different slices of it (vocabulary rows and feature columns), or are on different pipeline
+        stages, and load it separately."""
         if self.args.tie_word_embeddings and self.ctx.world_size == 1:
             del self.output.weight  # a parameter, or a quantized module, is replaced by the embedding's own
             self.output.weight = self.tok_embeddings.weight
@@ -122,8 +149,21 @@ class Transformer(nn.Module):
     def held_elsewhere(self) -> set[str]:
         """Checkpoint names of this model's tensors that other ranks hold and this one does not (a mixture's experts
         placed on other ranks): a checkpoint has them, and this rank does not load them."""
-        return {f"layers.{i}.feed_forward.{name}" for i, layer in enumerate(self.layers)
+        return {f"layers.{i}.feed_forward.{name}" for i, layer in zip(self.stage.layers, self.layers)
                 for name in layer.feed_forward.held_elsewhere()}
+
+    def on_other_stage(self, key: str) -> bool:
+        """Whether checkpoint tensor `key` belongs to another pipeline stage (its layers, the embedding off the first
+        stage but for a tied head, the head off the last): this rank neither holds nor reads it."""
+        if self.stage.count == 1:
+            return False
+        head, _, rest = key.partition(".")
+        if head == "layers":
+            index = rest.partition(".")[0]
+            return index.isdigit() and int(index) not in self.stage.layers
+        tied_head = self.stage.last and self.args.tie_word_embeddings  # the head loads from the embedding's table
+        return (head == "tok_embeddings" and not (self.stage.first or tied_head)) or \
+            (head == "output" and not self.stage.last)
 
     # ---- quantization -----------------------------------------------------------------------------------------
 
@@ -139,15 +179,15 @@ class Transformer(nn.Module):
 
     def quantize_(self, formats: dict[str, str]) -> None:
         """Hold the named weights in those formats (on the meta device, before materialize and loading)."""
-        for i, layer in enumerate(self.layers):  # w2's inputs are split on its blocks, and w1's, w3's outputs alike
-            layer.feed_forward.align_for(formats, f"layers.{i}.feed_forward.")
+        for i, layer in zip(self.stage.layers, self.layers):  # w2's inputs are split on its blocks, w1's and w3's
+            layer.feed_forward.align_for(formats, f"layers.{i}.feed_forward.")  # outputs alike
         if self.args.tie_word_embeddings and "tok_embeddings.weight" in formats:
             formats = {**formats, "output.weight": formats["tok_embeddings.weight"]}
         held_elsewhere = self.held_elsewhere()
         for name, fmt in formats.items():
-            if name in held_elsewhere:
-                continue  # an expert another rank holds
             layer_name = name.removesuffix(".weight")
+            if name in held_elsewhere or self.on_other_stage(name) or getattr(self, layer_name, True) is None:
+                continue  # an expert another rank holds, another stage's tensor, or a tied head's table
             try:
                 if self.args.tie_word_embeddings and self.ctx.world_size == 1 and layer_name == "output":
                     continue  # the same weight as tok_embeddings, quantized there
@@ -205,6 +245,33 @@ class Transformer(nn.Module):
                              "llama_type such as 'llava' has one)")
         return self._scaled(self.tok_embeddings(tokens, self.dtype))
 
+    def _enter(self, tokens: torch.Tensor, images: Sequence[ImagePlacement] = ()) -> torch.Tensor:
+        """The first layer's input: the embeddings of `tokens`; on a later pipeline stage, `tokens` are the previous
+        stage's hidden states already."""
+        return self.embed(tokens, images) if self.stage.first else tokens
+
+    def stage_input(self, tokens: torch.Tensor) -> torch.Tensor:
+        """What this stage's entry points take for `tokens`: the tokens on the first stage, else hidden states of
+        their shape (zeros: an example, to compile a step with)."""
+        if self.stage.first:
+            return tokens
+        return torch.zeros(*tokens.shape, self.args.dim, dtype=self.dtype, device=self.device)
+
+    def through(self, step, tokens: torch.Tensor, *args, lead: Optional[tuple[int, ...]] = None, **kwargs):
+        """`step(tokens, *args, **kwargs)`, one of this model's entry points (or a compiled decode step), run as this
+        rank's pipeline stage: a later stage takes the previous one's hidden states for `tokens` (tokens.shape +
+        (dim,)), and an earlier stage sends its own on and returns no logits, a (*lead, 0) tensor (`lead`: the
+        logits' leading shape, tokens.shape unless given). Without a pipeline, just the step."""
+        stage = self.stage
+        if stage.count == 1:
+            return step(tokens, *args, **kwargs)
+        x = tokens if stage.first else stage.receive((*tokens.shape, self.args.dim), self.dtype, self.device)
+        out = step(x, *args, **kwargs)
+        if stage.last:
+            return out
+        stage.send(out)
+        return torch.empty(*(tokens.shape if lead is None else lead), 0, device=self.device)
+
     def _scaled(self, h: torch.Tensor) -> torch.Tensor:
         scale = self.args.embedding_scale
         return h if scale is None else h * torch.tensor(scale, dtype=h.dtype)  # rounded to the dtype, as HF does
@@ -220,11 +287,13 @@ class Transformer(nn.Module):
                 gather: bool = True) -> torch.Tensor:
         """Float32 logits (B, L, vocab) of whole sequences (B, L) from position 0, on every rank; nothing is
         cached (scoring). `images`: where images go. `gather=False`: this rank's slice of the vocabulary only."""
-        h = self.embed(tokens, images)
+        h = self._enter(tokens, images)
         if self.adapter_routing is not None:
             self.adapter_routing.tokens = None  # scoring runs the base model (and an adapter every token uses)
         for layer, rotations in zip(self.layers, self._rotations(slice(0, tokens.shape[1]))):
             h = layer(h, rotations[None])
+        if not self.stage.last:
+            return h
         logits = self._logits(h)
         return self.output.gathered(logits) if gather else logits
 
@@ -243,14 +312,14 @@ class Transformer(nn.Module):
                 masks[window] = [window_prefill(seg, window, cache.columns, device) for seg in segments]
         placements = [ImagePlacement(0, seg.start, seg.start + seg.length, pixels)
                       for seg, pixels in zip(segments, images) if pixels is not None]
-        h = self.embed(tokens[None], placements)  # (1, T, dim)
+        h = self._enter(tokens[None], placements)  # (1, T, dim)
         if self.adapter_routing is not None:
             self._route_prefill(segments, caches.adapters, device)
         for layer, cache, window, rotations in zip(self.layers, caches.layers, self.windows,
                                                    self._rotations(positions)):
             h = layer.prefill(h, rotations[None], rows, positions, segments, masks[window], cache)
         last = torch.tensor([seg.start + seg.length - 1 for seg in segments], device=device)
-        return self._logits(h[0, last])
+        return self._logits(h[0, last]) if self.stage.last else h[0]
 
     def _route_prefill(self, segments: list[Segment], rows: torch.Tensor, device: torch.device) -> None:
         """Per-request adapters: each prompt's tokens run with its row's adapter, which the row keeps (`rows`)."""
@@ -277,7 +346,7 @@ class Transformer(nn.Module):
     def _decode_rows(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                      caches: KVCaches) -> torch.Tensor:
         """tokens and positions (B, L), mask (B, 1, L, C) -> this rank's logits (B, L, local vocab)."""
-        h = self._scaled(self.tok_embeddings(tokens, self.dtype))  # (B, L, dim)
+        h = self._enter(tokens)  # (B, L, dim)
         if self.adapter_routing is not None:  # each row's adapter, for each of its L tokens
             self.adapter_routing.tokens = caches.adapters[:tokens.shape[0], None].expand(tokens.shape)
         masks = {None: mask}
@@ -287,4 +356,4 @@ class Transformer(nn.Module):
         for layer, cache, window, rotations in zip(self.layers, caches.layers, self.windows,
                                                    self._rotations(positions)):
             h = layer.decode(h, rotations, positions, masks[window], cache)  # rotations (B, L, D/2, 2)
-        return self._logits(h)
+        return self._logits(h) if self.stage.last else h

@@ -67,8 +67,8 @@ class ModelArgs(llama.ModelArgs):
 
 
 class Transformer(llama.Transformer):
-    def __init__(self, args: ModelArgs, ctx):
-        super().__init__(args, ctx)
+    def __init__(self, args: ModelArgs, ctx, stage=None):
+        super().__init__(args, ctx, stage)
         vision = args.vision
         self.vision_tower = VisionTower(vision)  # replicated on every rank
         self.multi_modal_projector = Projector(vision["hidden_size"], args.dim, args.projector_hidden_act,

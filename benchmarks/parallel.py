@@ -16,6 +16,7 @@ every collective through gloo, as before shared memory.
         --batch-sizes 1 16 --new-tokens 64 --rounds 2
     python benchmarks/parallel.py --collectives          # one all-reduce and one gather: shared memory and gloo
     python benchmarks/parallel.py --two-machines         # as root: two network namespaces, a 1 Gbit/s veth link
+    python benchmarks/parallel.py --two-machines --pp 1 2 --modes compiled --dtypes int4   # tensor vs pipeline
 
 Models: `smollm2` (the built-in SmolLM2-135M-Instruct; int4 is its GGUF's Q4_1 bits), `gemma3` (Gemma 3 270M from
 its Q4_K_M GGUF: float32 imported, int4 quantized while loading), `moe` (a Mixtral-shaped random model: 8 experts,

@@ -6,7 +6,8 @@ output projection), with only what sampling needs crossing ranks. Each step, on 
    tokens with their adjusted logits, and the log-sum-exp of its adjusted logits over the row's temperature; with
    log-probabilities asked for, also their raw logits, the raw log-sum-exp and its n most likely raw logits;
 2. every rank gathers every rank's record and merges them alike (`Merged`): the k most likely of all (ties to the
-   lowest id, as argmax), and the log-sum-exps of all;
+   lowest id, as argmax), and the log-sum-exps of all; when no row samples (greedy rows need one round), only the
+   source rank gathers them, and the others go on at once;
 3. a sampled row whose kept tokens (min_p, top_k, top_p: sampling.kept_count) may reach past the k merged ones (a
    flat distribution, or sampling from every token: top_p 1, top_k 0, min_p 0) makes every rank, which sees the
    same, send more: k x 8, up to its whole slice.
@@ -89,10 +90,15 @@ class VocabSlice:
                masks: Optional[torch.Tensor]) -> "Merged":
         """Collective. `local` (rows, L, size): this rank's logits of each row's L scored positions (the next token
         and `proposed[row]` after it); `masks`: on the source rank, the constrained rows' grammar bitmasks (rows,
-        L, words) int32, in row order (ignored elsewhere). Every rank's merged candidates, the same on each."""
+        L, words) int32, in row order (ignored elsewhere). Every rank's merged candidates, the same on each; where
+        no row samples (greedy, a single round), on the source rank alone (None elsewhere)."""
         z = local[..., :len(self.tokens)].float()
         adjusted = self._adjusted(z, proposed, self._shared(masks, local.shape[1]))
         layout = self._first_layout()
+        if not layout.lse:  # no row samples: one round whatever the values, which only the sampling rank needs
+            everyone = self.ctx.gather_to_source(self._records(z, adjusted, layout)[None], dim=0)
+            return None if everyone is None else Merged(everyone, layout, layout.k >= self.size,
+                                                        [rule.params for rule, _ in self.rows])
         while True:
             records = self._records(z, adjusted, layout)
             merged = Merged(self.ctx.all_gather(records[None], dim=0), layout, layout.k >= self.size,

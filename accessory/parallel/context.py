@@ -12,6 +12,7 @@ import logging
 import os
 import pickle
 import sys
+import time
 from pathlib import Path
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,9 +24,16 @@ import torch.distributed._functional_collectives as funcol
 
 from accessory.errors import CollectivesOutOfStep, ConfigError, RanksDisagree
 from accessory.parallel.shared_memory import OUT_OF_STEP, SharedMemoryGroup, for_group, forget_groups, ranks_and_cores
-from accessory.parallel.watchdog import announced_failure, stop_watchdog
+from accessory.parallel.watchdog import announce_failure, announced_failure, stop_watchdog
 
 log = logging.getLogger(__name__)
+
+STAR_BYTES = 1 << 16  # messages up to this size go point to point through the source rank (`ParallelContext.star`)
+# their tags, one per kind: a message of one kind is never taken for another's (a rank that left a stream early
+# goes on to its next call's broadcast; the others, still in the step's all-reduce, then find it out of step, as
+# with gloo's own collectives), nor for the pipeline stages' transfers between the same ranks (tag 0)
+SUM_TAG, GATHER_TAG, BROADCAST_TAG = 7, 8, 9
+ANNOUNCEMENT_S = 3.0  # how long a rank whose peer closed its connection waits for that peer to say why
 
 
 def init_distributed(timeout_s: float = 600.0) -> None:
@@ -200,6 +208,10 @@ class ParallelContext:
     # sharing one GPU, which NCCL refuses) go through a host copy, since the shared-memory transport reads host
     # addresses and gloo's own CUDA paths crashed a rank (benchmarks/README.md, "GPU")
     device: torch.device = field(default=torch.device("cpu"), compare=False, repr=False)
+    # gloo without the segment (ranks on several machines): the engine's small messages (a step's header, sampling's
+    # candidates) go as point-to-point messages through the source rank, about 0.1 ms a hop, where each of gloo's
+    # collectives took about 1.2 ms however small (benchmarks/README.md, "Pipeline stages")
+    star: bool = field(default=False, compare=False, repr=False)
 
     @classmethod
     def from_group(cls, group: Optional[dist.ProcessGroup] = None, timeout_s: float = 60.0) -> "ParallelContext":
@@ -213,7 +225,8 @@ class ParallelContext:
         backend = dist.get_backend(group)
         local = for_group(group) if world > 1 and backend == "gloo" else None
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        return cls(group, dist.get_rank(group), world, dist.get_global_rank(group, 0), timeout_s, local, device)
+        star = world > 1 and backend == "gloo" and local is None
+        return cls(group, dist.get_rank(group), world, dist.get_global_rank(group, 0), timeout_s, local, device, star)
 
     @classmethod
     def of_stage(cls, group: Optional[dist.ProcessGroup], whole: "ParallelContext") -> "ParallelContext":
@@ -252,6 +265,8 @@ class ParallelContext:
             parts = [torch.zeros_like(x)] * self.world_size
             parts[self.rank] = x
             return funcol.all_reduce(torch.cat(parts, dim=dim), "sum", self.group)
+        if self.star and x.nbytes <= STAR_BYTES:
+            return torch.cat(self._star(x, torch.cat, GATHER_TAG).chunk(self.world_size), dim=dim)
         # all_gather_tensor, not all_gather_single: torch 2.11 (CUDA 13 wheels) has only the former
         gathered = funcol.all_gather_tensor(x.contiguous(), 0, self.group)  # the ranks' x stacked on dim 0
         return torch.cat(gathered.chunk(self.world_size, dim=0), dim=dim)
@@ -271,7 +286,22 @@ class ParallelContext:
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_source else None
         with _peer_failures_named():
-            dist.gather(x, parts, dst=self.src, group=self.group)
+            if self.star and x.nbytes <= STAR_BYTES:  # each rank's message straight to the source
+                if not self.is_source:  # gloo's send waits for the recv: a source elsewhere is out of step
+                    try:
+                        self._wait(dist.isend(x, self.src, self.group, tag=GATHER_TAG), self.timeout_s)
+                    except TimeoutError:
+                        message = (f"rank {self.rank} waited {self.timeout_s:g} s for the source rank to take its "
+                                   f"share of a gather (a generation step's candidates): the ranks are not at the "
+                                   f"same step")
+                        announce_failure(message)
+                        raise RanksDisagree(message) from None
+                    return None
+                parts[0] = x
+                for rank in range(1, self.world_size):
+                    dist.recv(parts[rank], dist.get_global_rank(self.group, rank), self.group, tag=GATHER_TAG)
+            else:
+                dist.gather(x, parts, dst=self.src, group=self.group)
         return torch.cat(parts, dim=dim) if self.is_source else None
 
     def sum_in_step(self, x: torch.Tensor) -> torch.Tensor:
@@ -288,6 +318,8 @@ class ParallelContext:
                 if "timed out" not in str(e):
                     raise
                 raise TimeoutError(f"the other ranks did not join within {self.timeout_s:g} s") from None
+        if self.world_size > 1 and self.star and x.nbytes <= STAR_BYTES:
+            return x.copy_(self._star(x, lambda parts: torch.stack(parts).sum(0), SUM_TAG, self.timeout_s))
         if self.world_size > 1:
             work = dist.all_reduce(x, group=self.group, async_op=True)
             try:
@@ -307,6 +339,8 @@ class ParallelContext:
             with _peer_failures_named():
                 if self.local is not None and x.is_contiguous():
                     self.local.broadcast_(x, 0)
+                elif self.star and x.nbytes <= STAR_BYTES and x.is_contiguous():
+                    self._star_broadcast(x)
                 else:
                     dist.broadcast(x, src=self.src, group=self.group)
         return x
@@ -315,12 +349,52 @@ class ParallelContext:
         """The source rank's `obj` (picklable), on every rank."""
         if self.world_size == 1:
             return obj
-        if self.local is not None:
+        if self.local is not None or self.star:
             return self._broadcast_pickled(obj)
         box = [obj]
         with _peer_failures_named():
             dist.broadcast_object_list(box, src=self.src, group=self.group, device=self.device)
         return box[0]
+
+    def _star(self, x: torch.Tensor, combine: Callable[[list], torch.Tensor], tag: int,
+              timeout_s: Optional[float] = None) -> torch.Tensor:
+        """combine(every rank's x, in rank order) on every rank, through the source rank: each other rank sends it x
+        and receives the result, as messages of `tag`. `timeout_s`: the longest to wait for a message
+        (TimeoutError; gloo then closes the connection, so only where a timeout ends the run)."""
+        x = x.contiguous()
+        with _peer_failures_named():
+            if not self.is_source:
+                self._wait(dist.isend(x, self.src, self.group, tag=tag), timeout_s)  # gloo's send waits for a recv
+                result = torch.empty_like(combine([x] * self.world_size))
+                self._wait(dist.irecv(result, self.src, self.group, tag=tag), timeout_s)
+                return result
+            parts = [x] + [torch.empty_like(x) for _ in range(self.world_size - 1)]
+            for rank in range(1, self.world_size):
+                self._wait(dist.irecv(parts[rank], dist.get_global_rank(self.group, rank), self.group,
+                                      tag=tag), timeout_s)
+            result = combine(parts).contiguous()
+            for work in [dist.isend(result, dist.get_global_rank(self.group, rank), self.group, tag=tag)
+                         for rank in range(1, self.world_size)]:
+                work.wait()
+            return result
+
+    def _star_broadcast(self, x: torch.Tensor) -> None:
+        """The source rank's x, sent to every other rank (in place)."""
+        if not self.is_source:
+            dist.recv(x, self.src, self.group, tag=BROADCAST_TAG)
+            return
+        for work in [dist.isend(x, dist.get_global_rank(self.group, rank), self.group, tag=BROADCAST_TAG)
+                     for rank in range(1, self.world_size)]:
+            work.wait()
+
+    @staticmethod
+    def _wait(work, timeout_s: Optional[float]) -> None:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s)) if timeout_s else work.wait()
+        except RuntimeError as e:
+            if "timed out" in str(e).lower():
+                raise TimeoutError(str(e)) from None
+            raise
 
     def _broadcast_pickled(self, obj: Any) -> Any:
         """The source rank's `obj` through the segment: its pickle's length, then its bytes."""
@@ -394,11 +468,16 @@ class ParallelContext:
 @contextmanager
 def _peer_failures_named():
     """A collective that fails because a peer left (gloo: "Connection closed by peer") after announcing why (the
-    watchdog's store) raises that reason, naming the rank, instead of the transport's message."""
+    watchdog's store) raises that reason, naming the rank, instead of the transport's message. A peer that gave up
+    waiting closes its connections a moment before it announces why: that moment is waited for."""
     try:
         yield
     except RuntimeError as e:
         failed = announced_failure()
+        deadline = time.monotonic() + ANNOUNCEMENT_S
+        while failed is None and "closed by peer" in str(e) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            failed = announced_failure()
         if failed is not None:
             raise RanksDisagree(f"rank {failed[0]} failed: {failed[1]}") from e
         if OUT_OF_STEP in str(e):  # the segment saw the ranks in different collectives

@@ -144,7 +144,8 @@ def test_nothing_sent_per_step_grows_with_the_output_and_every_rank_streams_alik
         assert all(step == decoding[0] for step in decoding), f"rank {rank}: {decoding[0]} vs {decoding[-1]}"
         assert "object" not in decoding[0], "no pickled plan while the batch does not change"
         assert decoding[0]["tensor"] <= 96  # the step header: status, rows, flags, each row's token and end, places
-        assert decoding[0]["vocab"] == 8 and "gather" not in decoding[0]  # greedy: the slice's largest and its id
+        # greedy: the slice's largest and its id, to the source rank alone (gathered, not all-gathered)
+        assert decoding[0]["vocab"] == 8 and decoding[0]["gather"] == 8
         # a prompt scored (echo with logprobs): log-probabilities of the gathered logits from records of the slices:
         # the embedding's all-gather (96 / 2 features a token) and 42 floats a position, not 16000 logits a position
         assert gathered == length * 48 * 4 + (length - 1) * 42 * 4, f"rank {rank}: {gathered} bytes all-gathered"

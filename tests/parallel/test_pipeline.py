@@ -256,3 +256,26 @@ def test_two_stages_fit_where_one_process_is_refused_each_rank_in_its_own_cgroup
     alone, staged = results["runs"]
     assert staged["exit"] == 0 and staged["same_text"], staged
     assert max(staged["anonymous_rss_by_rank"]) < results["limit_bytes"] < alone["anonymous_rss_by_rank"][0]
+
+
+def test_the_server_answers_at_two_stages_as_one_process(tmp_path, smollm2_alone):
+    """`accessory serve --pp 2` under torchrun: a chat completion and a streamed completion give the text the
+    built-in model gives alone."""
+    import httpx
+
+    from serving import KEY, MODEL, Server
+
+    server = Server(tmp_path, "--pp", "2", nproc=2)
+    try:
+        server.wait_ready()
+        headers = {"Authorization": f"Bearer {KEY}"}
+        answer = httpx.post(f"{server.url}/v1/completions", headers=headers, timeout=120, json={
+            "model": MODEL, "prompt": "The capital of France is", "max_tokens": 24, "temperature": 0})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == smollm2_alone["texts"][0]
+        chat = httpx.post(f"{server.url}/v1/chat/completions", headers=headers, timeout=120, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 24, "temperature": 0})
+        assert chat.status_code == 200 and "Paris" in chat.json()["choices"][0]["message"]["content"], chat.text
+    finally:
+        server.stop()

@@ -428,7 +428,7 @@ def ours(args, fmt: str, device: torch.device, report: Report) -> dict:
                       f"warm-up {warm:.1f} s", flush=True)
             if mode == "compiled":
                 result["counters"] = compile_counters()
-            engine.kept = None  # this mode's KV caches
+            engine.kept = []  # this mode's KV caches
         if "eager" in result and "compiled" in result and 1 in result["eager"] and 1 in result["compiled"]:
             result["eager_equals_compiled_b1"] = result["eager"][1]["tokens"] == result["compiled"][1]["tokens"]
         for mode in result.keys() & {"eager", "compiled"}:
@@ -504,7 +504,7 @@ def profile_steps(model, prompts, fmt: str, engines: dict, watch: FirstTokens, d
         gpu_us = sum(e.self_device_time_total for e in events)
         out[mode] = {"wall_ms_per_token": round(1e3 * (timed["seconds"] - timed["prefill_s"]) / 16, 3),
                      "gpu_busy_ms_per_token": round(gpu_us / 1e3 / 17, 3)}
-        engine.kept = None
+        engine.kept = []
     return out
 
 

@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Collection, Iterator, Optional
 
 from accessory.errors import ConfigError, RanksDisagree
-from accessory.generation.model_runner import ModelRunner
+from accessory.generation.model_runner import ModelRunner, Stepped
 from accessory.generation.packaged_steps import compiled_step
 from accessory.generation.plan import Plan
 from accessory.generation.requests import Event, Request
 from accessory.generation.scheduler import Follower, Scheduler
+from accessory.generation.vocab_slices import Merged, PositionLogprobs
 from accessory.generation.speculation import Speculation
 from accessory.generation.speculative import SpeculativeConfig
 from accessory.generation.wire import share_plan
@@ -92,7 +94,7 @@ class Engine:
         self.vocab_size = min(model.args.vocab_size, tokenizer.n_words)
         self.stats = EngineStats()  # the same on every rank
         self.calls = 0  # runs started: the same count on every rank that runs the same code
-        self.kept: Optional[KVCaches] = None  # the last run's KV caches, if they fit keep_cache_bytes
+        self.kept: list[KVCaches] = []  # the last run's KV caches (a lane's each), if they fit keep_cache_bytes
         self.speculation = Speculation(self, settings.speculative, draft) if settings.speculative else None
 
     def configured(self, **changes) -> "Engine":
@@ -118,7 +120,8 @@ class Engine:
 
     def stream(self, requests: list[Request]) -> Iterator[list[Event]]:
         """Complete `requests` (every rank passes the same ones), at most max_batch_size at a time. After each step
-        that changed any request, on every rank: the latest Event of every request, in order."""
+        that changed any request, on every rank: the latest Event of every request, in order (what a step adds, its
+        delta and log-probabilities, only in that step's)."""
         rows = min(len(requests), self.settings.max_batch_size)
         columns = max(len(r.tokens) + r.params.max_gen_len for r in requests)
         scheduler = self.scheduler(rows)
@@ -129,7 +132,7 @@ class Engine:
             scheduler.close()
         row_of = {r.id: i for i, r in enumerate(requests)}
         for events in self.run(scheduler, rows, columns, keep_finished=len(requests) > rows, requests=requests):
-            latest = [replace(e, delta="") for e in latest]
+            latest = [replace(e, delta="", logprobs=(), prompt_logprobs=None) for e in latest]
             for event in events:
                 latest[row_of[event.id]] = event
             yield latest
@@ -141,44 +144,79 @@ class Engine:
         `rows` rows of `columns` positions (rounded up), and with the prefix cache and `keep_finished` (requests
         may join later), rows that keep finished sequences.
 
+        Under a pipeline of several stages, the rows are split into one lane (micro-batch) per stage when there are
+        as many (`Lane`), and stage s runs each plan s steps after the first stage: while the last stage finishes
+        one lane's step, the first begins the next lane's, with the tokens the source rank has just sampled.
+
         Closing the generator early on every rank at the same point (a `break` in user code that every rank runs)
-        ends the run there on every rank, and the group is ready for the next one. If only some ranks stop, every
-        rank that is still in a step raises RanksDisagree within the context's timeout_s: the events of such a run
-        are yielded after the step's forward pass, so a rank that stops reading has taken part in all of that
+        ends the run there on every rank, and the group is ready for the next one (a pipeline's later stages first
+        run the plans they had yet to run, to take what the stages before them sent). If only some ranks stop,
+        every rank that is still in a step raises RanksDisagree within the context's timeout_s: the events of such
+        a run are yielded after the step's forward pass, so a rank that stops reading has taken part in all of that
         step's collectives, and the others next wait only where they check each other (`wire.share_plan`)."""
-        runner = ModelRunner(self, rows, columns, keep_finished)
-        followed = requests is not None
-        follower = Follower(requests, self.tokenizer) if followed and scheduler is None else None
+        lanes = self._lanes(scheduler, rows, columns, keep_finished, requests)
+        followed, stage = requests is not None, self.model.stage
+        behind = stage.index if len(lanes) > 1 else 0  # how many steps after the first stage this rank's runs a plan
+        last = stage.count - 1 if len(lanes) > 1 else 0  # ... and the last stage's, which the ranks then reduce
+        unrun: deque[tuple[int, Plan]] = deque()  # the plans this rank has yet to run, with their steps
         self.calls += 1
-        logits, step = None, 0
+        step = 0
         try:
             while True:
-                plan, events = self._next_plan(scheduler, logits, runner, follower, followed, step)
+                lane = lanes[step % len(lanes)]
+                plan, events = self._next_plan(lane, followed, step)
                 if events and (plan.done or not followed):
                     yield events
                 if plan.done:
+                    stage.settle()
                     return
+                unrun.append((step, plan))
                 with self._alone():
-                    local, scored = runner.step(plan)
-                    logits = runner.reduce(local, scheduler)
+                    if step >= behind:
+                        ran, plan = unrun.popleft()
+                        lanes[ran % len(lanes)].run(plan)
+                    reduced = lanes[(step - last) % len(lanes)] if step >= last else None
+                    scored = reduced.reduce() if reduced is not None else []
+                    if unrun:  # the next plan this stage runs: its input may move while the stage before waits
+                        lanes[unrun[0][0] % len(lanes)].runner.expect(unrun[0][1])
                 if events and followed:
                     yield events
                 if scored:
-                    scheduler.receive_prompt_logprobs(scored)
+                    reduced.scheduler.receive_prompt_logprobs(scored)
                 step += 1
+        except GeneratorExit:  # every rank stopped reading here: run what the stages before this one sent
+            with self._alone():
+                for ran, plan in unrun:
+                    lanes[ran % len(lanes)].run(plan)
+                stage.settle()
+            raise
         finally:
-            self.kept = runner.caches if runner.caches.nbytes(self.model) <= self.settings.keep_cache_bytes else None
+            self.kept = [lane.runner.caches for lane in lanes]
+            if sum(caches.nbytes(self.model) for caches in self.kept) > self.settings.keep_cache_bytes:
+                self.kept = []
 
-    def _next_plan(self, scheduler, logits, runner: ModelRunner, follower: Optional[Follower], followed: bool,
-                   step: int) -> tuple[Plan, list[Event]]:
-        """The source rank's plan for the next step, on every rank, with the step's events (on the source rank,
-        and on a follower's)."""
+    def _lanes(self, scheduler: Optional[Scheduler], rows: int, columns: int, keep_finished: bool,
+               requests: Optional[list[Request]]) -> list["Lane"]:
+        """One lane per pipeline stage, if the rows go round (else one), each with its share of the rows."""
+        count = self.model.stage.count if rows >= self.model.stage.count else 1
+        sizes = [rows // count + (i < rows % count) for i in range(count)]
+        schedulers = scheduler.lanes(sizes) if scheduler is not None else [None] * count
+        followers = [Follower(requests, self.tokenizer) if requests is not None and scheduler is None else None
+                     for _ in sizes]
+        return [Lane(ModelRunner(self, size, columns, keep_finished, count), lane_scheduler, follower)
+                for size, lane_scheduler, follower in zip(sizes, schedulers, followers)]
+
+    def _next_plan(self, lane: "Lane", followed: bool, step: int) -> tuple[Plan, list[Event]]:
+        """The source rank's plan for `lane`'s next step (the run's `step`), on every rank, with the step's events
+        (on the source rank, and on a follower's)."""
+        scheduler, runner = lane.scheduler, lane.runner
         plan, events, error = None, [], None
         if scheduler is not None:
             try:
-                plan, events = scheduler.step(logits, runner.proposed)
+                plan, events = scheduler.step(lane.logits, runner.proposed)
             except Exception as e:  # tell the other ranks before raising, so they do not wait forever
                 error = e
+        lane.logits = None
         if self.ctx.world_size == 1:
             if error is not None:
                 raise error
@@ -186,19 +224,18 @@ class Engine:
         extras = scheduler.extras if followed and scheduler else ()
         width = 1 + (self.settings.speculative.num_speculative_tokens if self.settings.speculative else 0)
         plan, extras = share_plan(self.ctx, plan, error, runner.rows, extras, self.calls, step, width)
-        if follower is not None:
+        if lane.follower is not None:
             with self._alone():
-                events = follower.events(plan, list(extras))
+                events = lane.follower.events(plan, list(extras))
         return plan, events
 
     def caches(self, rows: int, columns: int) -> KVCaches:
-        """KV caches of `rows` rows of `columns` positions for a run: the last run's, if they are that size (their
-        contents are the new run's to overwrite)."""
-        kept, self.kept = self.kept, None  # released before allocating, so the old and new never coexist
-        if kept is not None and kept.shape == (rows, columns):
-            return kept
-        del kept
-        return KVCaches.allocate(self.model, rows, columns)
+        """KV caches of `rows` rows of `columns` positions for a run: one of the last run's, if one is that size
+        (its contents are the new run's to overwrite); if none is, the last run's are released first, so that old
+        and new never coexist."""
+        kept = next((caches for caches in self.kept if caches.shape == (rows, columns)), None)
+        self.kept = [caches for caches in self.kept if caches is not kept] if kept is not None else []
+        return kept if kept is not None else KVCaches.allocate(self.model, rows, columns)
 
     def vocab_slice(self) -> tuple[range, int]:
         """The token ids whose logits this rank computes (its rows of the output projection, within the ids the
@@ -219,3 +256,25 @@ class Engine:
                 announce_failure(f"{type(error).__name__}: {error} (generation call {self.calls})")
             raise
 
+
+
+@dataclass
+class Lane:
+    """One micro-batch of a run's rows: its KV caches and what each row holds (`runner`), the source rank's
+    scheduler of them (None elsewhere) or the follower that writes their events, the step this rank has run and
+    the ranks have yet to reduce, and the reduced logits that the scheduler's next step samples."""
+    runner: ModelRunner
+    scheduler: Optional[Scheduler]
+    follower: Optional[Follower]
+    stepped: Optional[Stepped] = None
+    logits: Optional[Merged] = None
+
+    def run(self, plan: Plan) -> None:
+        self.stepped = self.runner.step(plan)
+
+    def reduce(self) -> list[PositionLogprobs]:
+        """Collective: reduce the step run (the logits for the scheduler's next step); the log-probabilities of
+        the prompts it scored, on the source rank."""
+        self.logits, scored = self.runner.reduce(self.stepped, self.scheduler)
+        self.stepped = None
+        return scored

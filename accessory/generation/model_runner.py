@@ -21,7 +21,7 @@ padded, and a row that leaves frees its cache row at once (a live row from the e
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -38,12 +38,20 @@ MIN_COLUMNS = 256  # the smallest KV-cache and attention width: widths are power
 PREFILL_TOKENS = 4096  # prompt tokens prefilled in one forward pass at most (more run in several)
 
 
+class Stepped(NamedTuple):
+    """A step's output on this rank, before the ranks reduce it together (`ModelRunner.reduce`): its logits (rows,
+    L, local vocab; None: no rows ran), and each scored prompt's logits with the tokens they score."""
+    logits: Optional[torch.Tensor]
+    scores: list[tuple[torch.Tensor, torch.Tensor]]
+
+
 class ModelRunner:
     """One run's rows on this rank, for one `Engine` (its model, context, settings, decode step and stats): the KV
     caches (`caches`: the engine's, for `columns` rounded up to a power of two) and what each row holds. Rows 0..n-1 are the live
     ones; past the batch's rows, `retained` keeps finished sequences for prompts to reuse."""
 
-    def __init__(self, engine, rows: int, columns: int, keep_finished: bool = True):
+    def __init__(self, engine, rows: int, columns: int, keep_finished: bool = True, lanes: int = 1):
+        """`lanes`: how many runners of the run share the prefix cache's bytes (a pipeline's micro-batches)."""
         self.engine, self.model, self.rows = engine, engine.model, rows
         self.columns = _bucket(columns, engine.max_seq_len)
         self.cached: list[list[int]] = []  # the tokens each live row holds in columns 0..len-1 (fed, not sampled)
@@ -53,22 +61,23 @@ class ModelRunner:
         self.proposed: list[tuple[int, ...]] = []  # each row's proposals scored in the last step (source: its rows)
         self.vocab = VocabSlice(engine.ctx, *engine.vocab_slice(), engine.vocab_size, self.model.device)
         live = max(rows, 2)  # at least 2: torch.compile gives a size of 1 a graph of its own; a cache row is cheap
-        self.retained = RetainedRows(live, self._retained_rows(rows, self.columns) if keep_finished else 0)
+        retained = self._retained_rows(rows, self.columns, lanes) if keep_finished else 0
+        self.retained = RetainedRows(live, retained)
         with torch.inference_mode():
             self.caches = engine.caches(live + len(self.retained.tokens), self.columns)
 
-    def _retained_rows(self, rows: int, columns: int) -> int:
-        """Finished sequences kept: as many rows as fit in prefix_cache_bytes, at most the batch's rows."""
+    def _retained_rows(self, rows: int, columns: int, lanes: int) -> int:
+        """Finished sequences kept: as many rows as fit in this runner's share of prefix_cache_bytes, at most the
+        batch's rows."""
         settings = self.engine.settings
         if not settings.prefix_cache:
             return 0
-        return min(rows, settings.prefix_cache_bytes // KVCaches.row_nbytes(self.model, columns))
+        return min(rows, settings.prefix_cache_bytes // lanes // KVCaches.row_nbytes(self.model, columns))
 
     @torch.inference_mode()
-    def step(self, plan: Plan) -> tuple[Optional[torch.Tensor], list[PositionLogprobs]]:
-        """Run `plan`: this rank's logits (rows after the step, L positions, its slice of the vocabulary), None if
-        no rows run; and the log-probabilities of each prompt the plan scores, on the source rank (else [])."""
-        scored = [self._score(tokens) for tokens in plan.score]
+    def step(self, plan: Plan) -> "Stepped":
+        """Run `plan` on this rank, up to what the ranks must reduce together (`reduce`)."""
+        scores = [self._score(tokens) for tokens in plan.score]
         self._settle(plan.results)
         self.vocab.observe(plan.results)
         self.compact(plan.keep)
@@ -80,10 +89,15 @@ class ModelRunner:
         if plan.joining:
             slots = parts[0].shape[1] if parts else 1
             parts.append(self._admit(plan.joining)[:, None].expand(-1, slots, -1))  # a prompt's in its first slot
-        scored = scored if self.engine.ctx.is_source else []
-        if not parts:
-            return None, scored
-        return parts[0] if len(parts) == 1 else torch.cat(parts), scored
+        logits = None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
+        return Stepped(logits, scores)
+
+    def expect(self, plan: Plan) -> None:
+        """Under a pipeline, post the receive of the hidden states that `plan`, to be run next, starts with, when
+        they are a plain decode's (Stage.expect: they then move while the previous stage waits)."""
+        if plan.keep and not plan.score and not self.model.stage.first and self.proposer is None:
+            rows = self._padded_rows(len(plan.keep))
+            self.model.stage.expect((rows, self.model.args.dim), self.model.dtype)
 
     def _admit(self, joining: Joining) -> torch.Tensor:
         """Prefill the joining prompts into the rows after the kept ones; their last tokens' logits (prompts, local
@@ -97,23 +111,31 @@ class ModelRunner:
         self.proposed += [()] * len(joining)
         return logits
 
-    def reduce(self, local: Optional[torch.Tensor], scheduler) -> Optional[Merged]:
-        """Every rank's slice of the step's logits (`local`, from `step`) reduced to what sampling needs, with the
-        source rank's `scheduler`'s grammar masks (None on the other ranks), and merged (vocab_slices.py)."""
-        if local is None:
-            return None
+    @torch.inference_mode()
+    def reduce(self, stepped: Optional["Stepped"], scheduler) -> tuple[Optional[Merged], list[PositionLogprobs]]:
+        """Collective. A step's output (`stepped`; None: no step) on every rank reduced to what the source rank
+        needs: the logits of the rows that ran, to what sampling needs, with the source rank's `scheduler`'s grammar
+        masks (None elsewhere), merged (vocab_slices.py), or None if no rows ran; and on the source rank (else
+        []), the log-probabilities of each prompt the step scored."""
+        if stepped is None:
+            return None, []
+        scored = [slice_logprobs(self.engine.ctx, local, self.vocab.tokens, targets,
+                                 min(MAX_LOGPROBS, self.engine.vocab_size)) for local, targets in stepped.scores]
+        scored = scored if self.engine.ctx.is_source else []
+        if stepped.logits is None:
+            return None, scored
+        local = stepped.logits
         masks = scheduler.masks(self.proposed, local.shape[1]) if scheduler is not None else None
-        return self.vocab.reduce(local, self.proposed, masks)
+        return self.vocab.reduce(local, self.proposed, masks), scored
 
     # ---- 1. scoring -------------------------------------------------------------------------------------------------
 
-    def _score(self, tokens: tuple[int, ...]) -> PositionLogprobs:
-        """Each token's log-probability after those before it, and the MAX_LOGPROBS most likely there (a forward
-        pass of its own, nothing cached: reused prefixes have no logits); from the ranks' vocabulary slices."""
+    def _score(self, tokens: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's logits (its vocabulary slice) at each position of `tokens` but the last, and the tokens after
+        them, for `reduce` to turn into log-probabilities (a forward pass of its own, nothing cached: reused
+        prefixes have no logits)."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
-        local = self.model.through(self.model.forward, ids, gather=False)[0, :-1]
-        return slice_logprobs(self.engine.ctx, local, self.vocab.tokens, ids[0, 1:],
-                              min(MAX_LOGPROBS, self.engine.vocab_size))
+        return self.model.through(self.model.forward, ids, gather=False)[0, :-1], ids[0, 1:]
 
     # ---- 2. compaction ----------------------------------------------------------------------------------------------
 

@@ -6,6 +6,9 @@ source rank samples and decides; the other ranks receive each step's `Plan` (eac
 and, when the batch changes, which rows stay and which prompts join), never text. A `Follower` on another rank turns
 those plans into the very events the scheduler emitted, with the same detokenization (`Request.push`, `finish`), so
 every rank of `Engine.stream` yields the same stream.
+
+A pipeline keeps several micro-batches in flight (engine.py): each is a lane of rows with a scheduler of its own,
+and the lanes' schedulers share one `Intake`, where requests arrive and wait for a row in any lane.
 """
 from __future__ import annotations
 
@@ -27,32 +30,60 @@ from accessory.generation.vocab_slices import Merged, PositionLogprobs, RowRule
 log = logging.getLogger(__name__)
 
 
+class Intake:
+    """Where requests arrive (from any thread) and wait for a row, for the schedulers of one run's lanes."""
+
+    def __init__(self):
+        self.inbox: queue.Queue = queue.Queue()  # ("add", request), ("cancel", id) or ("close", None)
+        self.waiting: deque[Request] = deque()
+        self.closed = False
+        self.lanes: list[Scheduler] = []
+
+    def queued(self) -> int:
+        """Requests not yet in a batch."""
+        return self.inbox.qsize() + len(self.waiting)
+
+    def in_batch(self) -> list[Request]:
+        """The requests in every lane's rows (a copy: other threads read it)."""
+        return [request for lane in list(self.lanes) for request in list(lane.active)]
+
+    def idle(self) -> bool:
+        return not self.waiting and not any(lane.active for lane in self.lanes)
+
+
 class Scheduler:
     def __init__(self, tokenizer, stop_ids: Collection[int], rows: int, vocab_size: int, device: torch.device,
-                 idle_wait_s: float = 0.0):
+                 idle_wait_s: float = 0.0, intake: Optional[Intake] = None):
         """`rows`: how many requests decode together. `idle_wait_s`: with nothing to do and not closed, how long
-        `step` waits for a request before returning an empty plan (a heartbeat for the other ranks)."""
+        `step` waits for a request before returning an empty plan (a heartbeat for the other ranks). `intake`:
+        another lane's, to share its requests (`lanes`)."""
         self.tokenizer, self.rows, self.vocab_size, self.device = tokenizer, rows, vocab_size, device
         self.stop_ids, self.idle_wait_s = set(stop_ids), idle_wait_s
-        self.inbox: queue.Queue = queue.Queue()  # ("add", request) or ("cancel", id), from any thread
-        self.waiting: deque[Request] = deque()
+        self.intake = intake or Intake()
+        self.intake.lanes.append(self)
         self.active: list[Request] = []  # in batch-row order
         self.scoring: list[Request] = []  # requests whose prompt logits the step being run computes
         self.extras: tuple[Event, ...] = ()  # the last step's events that a Follower cannot write from its plan
         self.grammar_errors: dict[tuple, Exception] = {}  # (request id, slot) -> why no mask could be made there
-        self.closed = False
+
+    def lanes(self, sizes: Sequence[int]) -> list["Scheduler"]:
+        """This scheduler (first) and len(sizes) - 1 more sharing its requests, with sizes[i] rows each: the lanes
+        of a pipeline's micro-batches. Called before the first step."""
+        self.rows = sizes[0]
+        return [self] + [Scheduler(self.tokenizer, self.stop_ids, rows, self.vocab_size, self.device,
+                                   self.idle_wait_s, self.intake) for rows in sizes[1:]]
 
     # ---- from any thread ------------------------------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
-        self.inbox.put(("add", request))
+        self.intake.inbox.put(("add", request))
 
     def cancel(self, request_id) -> None:
-        self.inbox.put(("cancel", request_id))
+        self.intake.inbox.put(("cancel", request_id))
 
     def close(self) -> None:
         """No more requests: `step` says done once the ones already added have finished."""
-        self.inbox.put(("close", None))
+        self.intake.inbox.put(("close", None))
 
     # ---- the driving thread -----------------------------------------------------------------------------------------
 
@@ -66,7 +97,8 @@ class Scheduler:
             request.pushed = []
         if logits is not None:
             self._sample(logits, proposals, events)
-        self._read_inbox(events, wait=not self.active and not self.waiting and not self.closed)
+        intake = self.intake
+        self._read_inbox(events, wait=intake.idle() and not intake.closed)
         results = tuple(RowResult(tuple(r.pushed), FINISH_CODES[r.finish_reason]) for r in stepped)
         rows = {r.id for r in stepped}
         self.extras = tuple(e for e in events if e.id not in rows or e.error is not None or e.logprobs
@@ -74,21 +106,30 @@ class Scheduler:
         survivors = [row for row, request in enumerate(self.active) if request.finish_reason is None]
         keep = _fill_holes(survivors)
         self.active = [self.active[row] for row in keep]
-        admitted = []
-        while self.waiting and len(keep) + len(admitted) < self.rows:
-            request = self.waiting.popleft()
+        admitted, share = [], self._share()
+        while intake.waiting and len(keep) + len(admitted) < share:
+            request = intake.waiting.popleft()
             try:
                 self._start(request)
                 admitted.append(request)
             except Exception as error:  # this request ends; the others go on
                 self._fail(request, error, events)
         self.active += admitted
-        done = self.closed and not self.active and not self.waiting
+        done = intake.closed and intake.idle()
         self.scoring = [r for r in admitted if r.params.prompt_logprobs is not None]
         plan = Plan(keep=tuple(keep), tokens=tuple(r.generated[-1] for r in self.active[:len(keep)]),
                     joining=_joining(admitted), score=tuple(tuple(r.tokens) for r in self.scoring),
                     results=results, done=done)
         return plan, events
+
+    def _share(self) -> int:
+        """The rows this lane may fill: its own, and with other lanes, its even share of the requests in rows or
+        waiting (rounded up), so that every micro-batch has work."""
+        lanes = self.intake.lanes
+        if len(lanes) == 1:
+            return self.rows
+        busy = sum(len(lane.active) for lane in lanes) + len(self.intake.waiting)
+        return min(self.rows, -(-busy // len(lanes)))
 
     def masks(self, proposals: Sequence[tuple[int, ...]], slots: int) -> Optional[torch.Tensor]:
         """The grammar bitmasks (constrained rows, slots, words) int32 of the step just run, for every rank to apply
@@ -121,27 +162,30 @@ class Scheduler:
             request.prompt_logprobs = prompt_logprobs(scores, request.tokens, request.params.prompt_logprobs)
 
     def _read_inbox(self, events: list, wait: bool) -> None:
+        intake = self.intake
         deadline = time.monotonic() + (self.idle_wait_s if wait else 0.0)
         while True:
             try:
                 timeout = deadline - time.monotonic()
-                kind, value = self.inbox.get(timeout=timeout) if timeout > 0 else self.inbox.get_nowait()
+                kind, value = (intake.inbox.get(timeout=timeout) if timeout > 0 else intake.inbox.get_nowait())
             except queue.Empty:
                 return
             if kind == "add":
-                self.waiting.append(value)
+                intake.waiting.append(value)
             elif kind == "cancel":
                 self._cancel(value, events)
             else:
-                self.closed = True
-            deadline = 0.0 if self.waiting else deadline  # once there is work, do not wait for more
+                intake.closed = True
+            deadline = 0.0 if intake.waiting else deadline  # once there is work, do not wait for more
 
     def _cancel(self, request_id, events: list) -> None:
-        for request in self.active:
+        """End the request in any lane's rows (its lane's next step reports it) or waiting."""
+        for request in self.intake.in_batch():
             if request.id == request_id and request.finish_reason is None:
                 request.finish("cancelled", events)
-        for request in [r for r in self.waiting if r.id == request_id]:
-            self.waiting.remove(request)
+        waiting = self.intake.waiting
+        for request in [r for r in waiting if r.id == request_id]:
+            waiting.remove(request)
             request.start_text(self.tokenizer)
             request.finish("cancelled", events)
 

@@ -363,10 +363,11 @@ class ParallelContext:
         (TimeoutError; gloo then closes the connection, so only where a timeout ends the run)."""
         x = x.contiguous()
         with _peer_failures_named():
-            if not self.is_source:
-                self._wait(dist.isend(x, self.src, self.group, tag=tag), timeout_s)  # gloo's send waits for a recv
+            if not self.is_source:  # the result's receive is posted first: gloo moves a message once it is
                 result = torch.empty_like(combine([x] * self.world_size))
-                self._wait(dist.irecv(result, self.src, self.group, tag=tag), timeout_s)
+                receiving = dist.irecv(result, self.src, self.group, tag=tag)
+                self._wait(dist.isend(x, self.src, self.group, tag=tag), timeout_s)  # gloo's send waits for a recv
+                self._wait(receiving, timeout_s)
                 return result
             parts = [x] + [torch.empty_like(x) for _ in range(self.world_size - 1)]
             for rank in range(1, self.world_size):

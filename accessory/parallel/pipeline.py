@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -36,6 +36,8 @@ class Stage:
     next: Optional[int] = None
     last_lead: Optional[int] = None  # the global rank of the last stage's first tensor rank
     group: Optional[dist.ProcessGroup] = None  # the whole model's group
+    sending: list = field(default_factory=list)  # (work, tensor) of sends the next stage may not have taken yet
+    expected: list = field(default_factory=list)  # (work, tensor) of receives posted before they were needed
 
     @classmethod
     def whole(cls, n_layers: int, ctx: ParallelContext) -> "Stage":
@@ -63,10 +65,25 @@ class Stage:
 
     def send(self, h: torch.Tensor) -> None:
         """Hand this stage's output hidden states to the next stage (its first tensor rank sends; the others hold
-        the same values and send nothing)."""
-        if self.next is not None:
-            with self._failures_named("sending to", self.next):
-                dist.send(h.detach().contiguous().to(self.tensor.device), self.next)
+        the same values and send nothing), without waiting for it to take them: with micro-batches in flight
+        (engine.py) it takes them a step later, and gloo's send waits for the receiver."""
+        if self.next is None:
+            return
+        with self._failures_named("sending to", self.next):
+            self._taken(all_of_them=False)
+            h = h.detach().to(self.tensor.device, copy=True).contiguous()  # a compiled step may reuse its output
+            self.sending.append((dist.isend(h, self.next), h))
+
+    def settle(self) -> None:
+        """Wait until the next stage has taken every send (the end of a run)."""
+        with self._failures_named("sending to", self.next):
+            self._taken(all_of_them=True)
+
+    def _taken(self, all_of_them: bool) -> None:
+        """Forget the sends the next stage has taken (raising a failed one's error); all of them waits for them."""
+        while self.sending and (all_of_them or self.sending[0][0].is_completed()):
+            work, _ = self.sending.pop(0)
+            work.wait()
 
     def receive(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The previous stage's output hidden states, `shape`, on every rank of this stage.
@@ -75,11 +92,24 @@ class Stage:
         long prefill), and gloo closes the connection when a wait times out. A stage that died, froze or lost its
         link goes silent, and the watchdog (watchdog.py) ends this rank within rank_timeout, naming it; one that
         is alive but elsewhere times out in the step header (wire.py) and says so."""
-        h = torch.empty(shape, dtype=dtype, device=self.tensor.device)
-        if self.previous is not None:
-            with self._failures_named("receiving from", self.previous):
-                dist.recv(h, self.previous)
+        if self.previous is None:  # a later tensor rank: its stage's first rank shares what it received
+            return self.tensor.broadcast(torch.empty(shape, dtype=dtype, device=self.tensor.device)).to(device)
+        with self._failures_named("receiving from", self.previous):
+            if not self.expected:
+                self.expect(shape, dtype)
+            work, h = self.expected.pop(0)
+            if h.shape != shape or h.dtype != dtype:
+                raise RuntimeError(f"expected hidden states {tuple(h.shape)} {h.dtype}; the step takes {shape} {dtype}")
+            work.wait()
         return self.tensor.broadcast(h).to(device)
+
+    def expect(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Post the receive of the next hidden states (`shape`), before this stage needs them: gloo moves a message
+        only once its receive is posted, and the sender's side then answers from a thread that its stage's busy
+        compute delays (by about a millisecond); posted while the previous stage waits, it moves at once."""
+        if self.previous is not None:
+            h = torch.empty(shape, dtype=dtype, device=self.tensor.device)
+            self.expected.append((dist.irecv(h, self.previous), h))
 
     def from_last(self, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """The last stage's float32 `x` (`shape`: whole logits, scoring), on every rank of the model; collective."""

@@ -308,7 +308,7 @@ class GenerationService:
     @property
     def waiting(self) -> int:
         """Requests not yet in the batch."""
-        return self.scheduler.inbox.qsize() + len(self.scheduler.waiting)
+        return self.scheduler.intake.queued()
 
     @property
     def running(self) -> int:
@@ -355,7 +355,7 @@ class GenerationService:
 
     def cache_usage(self) -> float:
         """The fraction of the KV cache's positions that the rows in the batch hold."""
-        active = list(self.scheduler.active)  # read from another thread: a copy
+        active = self.scheduler.intake.in_batch()
         return sum(len(r.tokens) + len(r.generated) for r in active) / (self.rows * self.columns)
 
     def install_signal_handlers(self) -> None:

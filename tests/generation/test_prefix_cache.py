@@ -37,7 +37,7 @@ def drive(engine, script, rows: int) -> tuple[list, object]:
             scheduler.add(r)
 
         def scripted(logits, proposals=()):
-            if not scheduler.closed and script(next(steps), add):
+            if not scheduler.intake.closed and script(next(steps), add):
                 scheduler.close()  # read from the inbox by the step below: `closed` is set then
             return step_of(logits, proposals)
 

@@ -120,7 +120,41 @@ def smollm2_at_stages(checkpoint, **options) -> dict:
     texts = model.generate(["The capital of France is", "def fib(n):"], max_gen_len=24)
     events = [event["text"] for event in model.stream_generate("Name three colors:", max_gen_len=24)]
     scores = model.evaluate_examples(["The sky is blue."])["log_likelihood"]
-    return {"texts": texts, "events": events, "seed loop": seed_loop(model), "scores": scores}
+    return {"texts": texts, "events": events, "seed loop": seed_loop(model), "scores": scores, **in_lanes(model)}
+
+
+LANE_PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time", "1, 2, 3,", "The moon is",
+                "The capital of France is"]
+
+
+def in_lanes(model) -> dict:
+    """What micro-batches in flight (a lane of rows per stage) must leave as one process has it: several prompts,
+    greedy and sampled; more requests than rows (continuous batching across lanes, a prompt repeated for the
+    prefix cache) with log-probabilities; a stream of several prompts left early on every rank, then the next call."""
+    from accessory.generation.requests import Request
+    from accessory.generation.sampling import SamplingParams
+
+    greedy = model.generate(LANE_PROMPTS, max_gen_len=16)
+    sampled = model.generate(LANE_PROMPTS[:4], max_gen_len=16, temperature=0.8, seed=5)
+    engine = model.engine.configured(max_batch_size=3)
+    params = [SamplingParams(6 + 3 * i, prompt_logprobs=2 if i == 1 else None, logprobs=1 if i == 2 else None,
+                             temperature=0.7 if i == 3 else 0.0) for i in range(len(LANE_PROMPTS))]
+    requests = [Request(i, model.tokenizer.encode(prompt, True, False), params[i], seed=i)
+                for i, prompt in enumerate(LANE_PROMPTS)]
+    ended, logprobs = {}, {}
+    for events in engine.stream(requests):
+        for event in events:
+            logprobs.setdefault(event.id, []).extend((p.token, p.logprob) for p in
+                                                     event.logprobs + (event.prompt_logprobs or ()))
+            if event.end_of_content:
+                ended[event.id] = (event.text, event.finish_reason)
+    left = []
+    for events in model.stream_generate(LANE_PROMPTS[:4], max_gen_len=32):
+        left.append([event.text for event in events])
+        if len(left) == 5:
+            break
+    return {"greedy": greedy, "sampled": sampled, "queued": ended, "logprobs": logprobs, "left early": left,
+            "after": model.generate(LANE_PROMPTS[2:3], max_gen_len=16)}
 
 
 @pytest.fixture(scope="module")
@@ -136,9 +170,16 @@ def test_builtin_model_streams_equal_on_every_rank(smollm2_checkpoint, smollm2_a
     results = run_ranks(ranks, _smollm2_with, smollm2_checkpoint, options)
     for rank, result in enumerate(results):
         assert not isinstance(result, Exception), result.rank_traceback
-        for key in ("texts", "events", "seed loop"):
+        for key in ("texts", "events", "seed loop", "greedy", "sampled", "queued", "after"):
             assert result[key] == smollm2_alone[key], f"{key} at rank {rank}"
+        # lanes advance on alternate steps, so the stream's chunks differ from one process's; not its text
+        assert result["left early"] == results[0]["left early"]
+        assert all(greedy.startswith(text) for text, greedy in zip(result["left early"][-1], result["greedy"]))
         assert result["scores"] == pytest.approx(smollm2_alone["scores"], abs=1e-3)
+        for request, expected in smollm2_alone["logprobs"].items():
+            got = result["logprobs"][request]
+            assert [token for token, _ in got] == [token for token, _ in expected]
+            assert [p for _, p in got] == pytest.approx([p for _, p in expected], abs=2e-2)
     assert "Paris" in results[0]["texts"][0]
 
 

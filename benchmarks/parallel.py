@@ -23,8 +23,9 @@ its Q4_K_M GGUF: float32 imported, int4 quantized while loading), `moe` (a Mixtr
 top 2, SmolLM2's width and tokenizer, 12 layers; written once into the cache with transformers).
 
 `--two-machines` (root; skipped otherwise): namespaces `acc-m0` and `acc-m1` joined by a veth pair, each direction
-limited with `tc qdisc ... tbf rate 1gbit`; `torchrun --nnodes=2` with `--ranks` ranks on each; the namespaces are
-removed afterwards.
+limited with `tc qdisc ... tbf rate 1gbit`; `torchrun --nnodes=2` with `--ranks` ranks on each, each machine's ranks
+pinned to cores of their own (`taskset`), as two machines would not share a core, and the one-process peers pinned
+alike; the namespaces are removed afterwards. `--pp-layers`: the stages' split (`even`, or counts: `17,13`).
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def main() -> None:
     p.add_argument("--two-machines", action="store_true", help="as root: the ranks on two network namespaces")
     p.add_argument("--pp", nargs="+", type=int, default=[1], help="--two-machines: pipeline stages, each size in turn "
                    "(1: the ranks are tensor-parallel across the link; 2: a stage on each machine)")
+    p.add_argument("--pp-layers", default="even", help="--two-machines: how the layers split over the stages")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -120,17 +122,18 @@ def decode_table(results: list[dict]) -> str:
 
 def run_job(args, worker_args: list[str], ranks: int, threads: int, prefix: tuple = (), env_extra: dict = None,
             torchrun_args: tuple = ("--standalone",)) -> list[dict]:
-    """One job: a plain process at 1 rank, else torchrun with `ranks` processes; the results rank 0 printed."""
+    """One job: a plain process at 1 rank (not across machines), else torchrun with `ranks` processes, each command
+    after `prefix` (a namespace, a core set); the results rank 0 printed."""
     script = [str(Path(__file__).resolve()), *worker_args, "--batch-sizes", *map(str, args.batch_sizes),
               "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", **(env_extra or {})}
     if args.transport == "gloo":
         env["ACCESSORY_TRANSPORT"] = "gloo"
-    if ranks > 1 or prefix:
+    if ranks > 1 or torchrun_args != ("--standalone",):
         torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
         command = [*prefix, torchrun, *torchrun_args, f"--nproc-per-node={ranks}", *script]
     else:
-        command = [sys.executable, *script]
+        command = [*prefix, sys.executable, *script]
     proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
     if proc.returncode != 0:
@@ -148,7 +151,8 @@ def decode_worker(args) -> None:
     folder = model_folder(model_name, dtype)
     quant = "int4" if dtype == "int4" and folder == model_folder(model_name, "float32") else None
     model = MetaModel.from_pretrained(folder, quant=quant, compile=mode == "compiled", max_seq_len=1024,
-                                      max_batch_size=max(args.batch_sizes), pipeline_parallel_size=args.pp[0])
+                                      max_batch_size=max(args.batch_sizes), pipeline_parallel_size=args.pp[0],
+                                      pipeline_layers=args.pp_layers)
     model.stop_ids = set()
     for batch in args.batch_sizes:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
@@ -288,49 +292,70 @@ NAMESPACES, ADDRESSES = ("acc-m0", "acc-m1"), ("10.213.0.1", "10.213.0.2")
 
 
 def two_machines(args) -> list[dict]:
-    """Each namespace a machine with `--ranks[0]` ranks, joined by a rate-limited veth pair; the same jobs, and
-    beside each its peers in the same run: one process (1 thread, and as many threads as the ranks have in all)."""
+    """Each namespace a machine with `--ranks[0]` ranks, joined by a rate-limited veth pair, its ranks pinned to
+    cores of their own (machine m to the m-th share of the cores: two machines do not share a core); the same jobs,
+    and beside each its peers in the same run, pinned alike: one process with 1 thread (on one machine's first
+    core), and with as many threads as the ranks have in all. Rounds as in `decoding`."""
     if os.geteuid() != 0:
         print("--two-machines needs root (network namespaces); skipped", file=sys.stderr)
         return []
-    results = []
+    per_machine, threads = args.ranks[0], args.threads_per_rank
+    if 2 * per_machine * threads > os.cpu_count():
+        sys.exit(f"2 machines x {per_machine} rank(s) x {threads} thread(s) need {2 * per_machine * threads} cores; "
+                 f"this machine has {os.cpu_count()}")
+    jobs = [(model, dtype, mode, pp) for model in args.models for dtype in args.dtypes for mode in args.modes
+            for pp in [*args.pp, 0]]  # pp 0: the one-process peers
+    runs: dict[tuple, list[dict]] = {}
     try:
         link_machines()
-        per_machine = args.ranks[0]
         for model in args.models:
             model_folder(model, "float32"), model_folder(model, "int4")
-            for dtype in args.dtypes:
-                for mode in args.modes:
-                    for pp in args.pp:
-                        print(f"{model} {dtype} {mode}: 2 machines x {per_machine} rank(s), --pp {pp} ...",
-                              file=sys.stderr)
-                        results += two_machine_job(args, model, dtype, mode, per_machine, pp)
-                    worker = ["--worker", "decode", "--models", model, "--dtypes", dtype, "--modes", mode]
-                    for threads in sorted({args.threads_per_rank, 2 * per_machine * args.threads_per_rank}):
-                        results += run_job(args, worker, 1, threads)
+        for round_ in range(args.rounds):
+            for model, dtype, mode, pp in jobs:
+                print(f"round {round_ + 1}: {model} {dtype} {mode}, "
+                      + (f"2 machines x {per_machine} rank(s), --pp {pp}" if pp else "one process") + " ...",
+                      file=sys.stderr, flush=True)
+                for result in (two_machine_job(args, model, dtype, mode, per_machine, pp) if pp
+                               else one_process_peers(args, model, dtype, mode, 2 * per_machine * threads)):
+                    print(f"  batch {result['batch']}: {result['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+                    key = (model, dtype, mode, pp, result["threads"], result["batch"])
+                    runs.setdefault(key, []).append(result)
     finally:
         unlink_machines()
+    results = [{**each[-1], "tok_s": statistics.median(r["tok_s"] for r in each),
+                "rounds_tok_s": [r["tok_s"] for r in each]} for each in runs.values()]
     print(decode_table(results))
     return results
 
 
+def one_process_peers(args, model: str, dtype: str, mode: str, all_threads: int) -> list[dict]:
+    worker = ["--worker", "decode", "--models", model, "--dtypes", dtype, "--modes", mode]
+    return [result for threads in sorted({args.threads_per_rank, all_threads})
+            for result in run_job(args, worker, 1, threads, ("taskset", "-c", f"0-{threads - 1}"))]
+
+
 def two_machine_job(args, model: str, dtype: str, mode: str, per_machine: int, pp: int = 1) -> list[dict]:
     port = 29400 + os.getpid() % 500
+    cores = per_machine * args.threads_per_rank
     jobs, out = [], []
     for node, namespace in enumerate(NAMESPACES):
         torchrun_args = ("--nnodes=2", f"--node-rank={node}", f"--master-addr={ADDRESSES[0]}", f"--master-port={port}")
-        worker = ["--worker", "decode", "--models", model, "--dtypes", dtype, "--modes", mode, "--pp", str(pp)]
+        worker = ["--worker", "decode", "--models", model, "--dtypes", dtype, "--modes", mode, "--pp", str(pp),
+                  "--pp-layers", args.pp_layers]
         env = {"GLOO_SOCKET_IFNAME": f"veth{node}"}
-        jobs.append((node, worker, torchrun_args, env, namespace))
+        prefix = ("ip", "netns", "exec", namespace, "taskset", "-c", f"{node * cores}-{(node + 1) * cores - 1}")
+        jobs.append((worker, torchrun_args, env, prefix))
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(run_job, args, worker, per_machine, args.threads_per_rank, ("ip", "netns", "exec", ns),
-                               env, torchrun_args) for _, worker, torchrun_args, env, ns in jobs]
+        futures = [pool.submit(run_job, args, worker, per_machine, args.threads_per_rank, prefix, env, torchrun_args)
+                   for worker, torchrun_args, env, prefix in jobs]
         for future in futures:
             out += future.result()
     for r in out:
         r["ranks_note"] = f"2 machines x {per_machine}" + (f", --pp {pp}" if pp > 1 else ", tensor-parallel")
+        if pp > 1 and args.pp_layers != "even":
+            r["ranks_note"] += f" --pp-layers {args.pp_layers}"
     return out
 
 

@@ -4,7 +4,8 @@ rank alike, from the plans that wire.py shares).
 A row's token at position p lives in KV-cache column p: rows at different positions share one cache, nothing is
 padded, and a row that leaves frees its cache row at once (a live row from the end takes its place). One step,
 `ModelRunner.step(plan)`, top to bottom:
-1. `_score`: the prompts whose every position's logits were asked for get a forward pass of their own.
+1. `_score`: the prompts whose every position's logits were asked for get a forward pass of their own (their
+   log-probabilities are reduced with the step's logits, in `reduce`).
 2. `compact`: the rows that finished are copied into the retained rows (`_retain`, for the prefix cache), then the
    kept rows move into the holes, so the live rows are 0..n-1 again.
 3. `_decode`: one token for each kept row at that row's next position, through `Engine.decode_step`
@@ -16,8 +17,9 @@ padded, and a row that leaves frees its cache row at once (a live row from the e
 4. `prefill`: the joining prompts, packed into one sequence (`_prefill_packed`). A joining prompt that starts with
    tokens some cache row already holds (a live row, or a finished one kept for reuse) copies their keys and values
    instead of recomputing them (`_copy_prefixes`, prefix.py); every rank decides that alike from the plans.
-5. Each rank's logits (its slice of the vocabulary) stay on it: `reduce` has every rank reduce its slice to what
-   sampling needs (`vocab`, vocab_slices.py), and the source rank's scheduler samples from the merged candidates.
+5. Each rank's logits (its slice of the vocabulary) stay on it: `reduce`, collective and apart from `step` (a
+   pipeline's later stages run a plan after the first: engine.py), has every rank reduce its slice to what sampling
+   needs (`vocab`, vocab_slices.py), and the source rank's scheduler samples from the merged candidates.
 """
 from __future__ import annotations
 
@@ -119,8 +121,7 @@ class ModelRunner:
         []), the log-probabilities of each prompt the step scored."""
         if stepped is None:
             return None, []
-        scored = [slice_logprobs(self.engine.ctx, local, self.vocab.tokens, targets,
-                                 min(MAX_LOGPROBS, self.engine.vocab_size)) for local, targets in stepped.scores]
+        scored = [self._logprobs(local, targets) for local, targets in stepped.scores]
         scored = scored if self.engine.ctx.is_source else []
         if stepped.logits is None:
             return None, scored
@@ -136,6 +137,11 @@ class ModelRunner:
         prefixes have no logits)."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
         return self.model.through(self.model.forward, ids, gather=False)[0, :-1], ids[0, 1:]
+
+    def _logprobs(self, local: torch.Tensor, targets: torch.Tensor) -> PositionLogprobs:
+        """Collective: a scored prompt's log-probabilities from every rank's `_score`."""
+        return slice_logprobs(self.engine.ctx, local, self.vocab.tokens, targets,
+                              min(MAX_LOGPROBS, self.engine.vocab_size))
 
     # ---- 2. compaction ----------------------------------------------------------------------------------------------
 

@@ -125,7 +125,7 @@ def scored_prompt(model) -> tuple:
 
     ParallelContext.all_gather = counted
     with torch.inference_mode():
-        scores = runner._score(prompt)
+        scores = runner._logprobs(*runner._score(prompt))
         ParallelContext.all_gather = all_gather
         logprobs = torch.log_softmax(model.engine.model.forward(torch.tensor([prompt]))[0, :-1].double(), dim=-1)
     chosen_error = (scores.chosen - logprobs[range(len(prompt) - 1), prompt[1:]]).abs().max().item()

@@ -33,7 +33,7 @@ from accessory.generation.scheduler import Follower, Scheduler
 from accessory.generation.vocab_slices import Merged, PositionLogprobs
 from accessory.generation.speculation import Speculation
 from accessory.generation.speculative import SpeculativeConfig
-from accessory.generation.wire import share_plan
+from accessory.generation.wire import header_started, share_plan
 from accessory.network.kv_caches import KVCaches
 from accessory.parallel.layers import make_shard
 from accessory.parallel.watchdog import announce_failure
@@ -164,7 +164,12 @@ class Engine:
         try:
             while True:
                 lane = lanes[step % len(lanes)]
-                plan, events = self._next_plan(lane, followed, step)
+                started = (header_started(self.ctx, lane.runner.rows, self.calls, step)
+                           if behind and step >= behind else None)
+                if started is not None:  # this stage's next plan is known: run it while the source rank plans
+                    with self._alone():
+                        self._run_next(lanes, unrun)
+                plan, events = self._next_plan(lane, followed, step, started)
                 if events and (plan.done or not followed):
                     yield events
                 if plan.done:
@@ -172,9 +177,8 @@ class Engine:
                     return
                 unrun.append((step, plan))
                 with self._alone():
-                    if step >= behind:
-                        ran, plan = unrun.popleft()
-                        lanes[ran % len(lanes)].run(plan)
+                    if started is None and step >= behind:
+                        self._run_next(lanes, unrun)
                     reduced = lanes[(step - last) % len(lanes)] if step >= last else None
                     scored = reduced.reduce() if reduced is not None else []
                     if unrun:  # the next plan this stage runs: its input may move while the stage before waits
@@ -186,14 +190,19 @@ class Engine:
                 step += 1
         except GeneratorExit:  # every rank stopped reading here: run what the stages before this one sent
             with self._alone():
-                for ran, plan in unrun:
-                    lanes[ran % len(lanes)].run(plan)
+                while unrun:
+                    self._run_next(lanes, unrun)
                 stage.settle()
             raise
         finally:
             self.kept = [lane.runner.caches for lane in lanes]
             if sum(caches.nbytes(self.model) for caches in self.kept) > self.settings.keep_cache_bytes:
                 self.kept = []
+
+    @staticmethod
+    def _run_next(lanes: list["Lane"], unrun: deque) -> None:
+        ran, plan = unrun.popleft()
+        lanes[ran % len(lanes)].run(plan)
 
     def _lanes(self, scheduler: Optional[Scheduler], rows: int, columns: int, keep_finished: bool,
                requests: Optional[list[Request]]) -> list["Lane"]:
@@ -206,9 +215,9 @@ class Engine:
         return [Lane(ModelRunner(self, size, columns, keep_finished, count), lane_scheduler, follower)
                 for size, lane_scheduler, follower in zip(sizes, schedulers, followers)]
 
-    def _next_plan(self, lane: "Lane", followed: bool, step: int) -> tuple[Plan, list[Event]]:
+    def _next_plan(self, lane: "Lane", followed: bool, step: int, started=None) -> tuple[Plan, list[Event]]:
         """The source rank's plan for `lane`'s next step (the run's `step`), on every rank, with the step's events
-        (on the source rank, and on a follower's)."""
+        (on the source rank, and on a follower's); `started`: this rank's share of the header, sent ahead."""
         scheduler, runner = lane.scheduler, lane.runner
         plan, events, error = None, [], None
         if scheduler is not None:
@@ -223,7 +232,7 @@ class Engine:
             return plan, events
         extras = scheduler.extras if followed and scheduler else ()
         width = 1 + (self.settings.speculative.num_speculative_tokens if self.settings.speculative else 0)
-        plan, extras = share_plan(self.ctx, plan, error, runner.rows, extras, self.calls, step, width)
+        plan, extras = share_plan(self.ctx, plan, error, runner.rows, extras, self.calls, step, width, started)
         if lane.follower is not None:
             with self._alone():
                 events = lane.follower.events(plan, list(extras))

@@ -13,7 +13,7 @@ grows with the length of the output.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -27,14 +27,23 @@ RUN, DONE, FAILED = 0, 1, 2  # the status of a step, as sent
 STATUS, KEPT, MOVES, EXTRAS, STEPPED, HEADER = range(6)
 
 
+def header_started(ctx, rows: int, call: int, step: int, width: int = 1) -> Optional[Callable[[], torch.Tensor]]:
+    """On a rank other than the source, its share of step `step`'s header (its place alone) sent ahead, where the
+    header goes point to point (`ParallelContext.sum_started`): a later pipeline stage computes while the source rank
+    plans. For `share_plan`'s `started`; None where it cannot start ahead."""
+    place = call << 32 | step
+    return ctx.sum_started(_header(ctx, None, None, rows, (), place, width))
+
+
 def share_plan(ctx, plan: Optional[Plan], error: Optional[Exception], rows: int, extras: tuple, call: int,
-               step: int, width: int = 1) -> tuple[Plan, tuple]:
+               step: int, width: int = 1, started: Optional[Callable[[], torch.Tensor]] = None) -> tuple[Plan, tuple]:
     """The source rank's plan and the events its followers cannot write themselves (`extras`), on every rank, once
     every rank is known to be at step `step` of generation call `call`. A source rank that failed (`error`) raises
-    its error there and a RuntimeError naming it on the others. `width`: tokens a row may keep in one step."""
+    its error there and a RuntimeError naming it on the others. `width`: tokens a row may keep in one step.
+    `started`: this rank's share of the header, from `header_started`."""
     place, places = call << 32 | step, HEADER + (2 + width) * rows
-    header = _header(ctx, plan, error, rows, extras, place, width)
-    values = _sum_in_step(ctx, header, place).tolist()
+    header = None if started else _header(ctx, plan, error, rows, extras, place, width)
+    values = _sum_in_step(ctx, header, place, started).tolist()
     _check_places(ctx, values[places:], place)
     if values[STATUS] == FAILED:
         message = ctx.broadcast_object(f"{type(error).__name__}: {error}" if error else None)
@@ -73,9 +82,10 @@ def _header(ctx, plan: Optional[Plan], error: Optional[Exception], rows: int, ex
     return torch.tensor(header, dtype=torch.long, device=ctx.device)
 
 
-def _sum_in_step(ctx, header: torch.Tensor, place: int) -> torch.Tensor:
+def _sum_in_step(ctx, header: Optional[torch.Tensor], place: int,
+                 started: Optional[Callable[[], torch.Tensor]]) -> torch.Tensor:
     try:
-        return ctx.sum_in_step(header)
+        return started() if started is not None else ctx.sum_in_step(header)
     except TimeoutError:
         await_verdict_on_silent_ranks()
         _disagree(f"rank {ctx.rank} waited {ctx.timeout_s:g} s for the other ranks at {_where(place)}")

@@ -331,6 +331,14 @@ class ParallelContext:
                 raise TimeoutError(f"the other ranks did not join within {self.timeout_s:g} s") from None
         return x
 
+    def sum_started(self, x: torch.Tensor) -> Optional[Callable[[], torch.Tensor]]:
+        """`sum_in_step(x)` started ahead on a rank other than the source, where it goes point to point (`star`): x
+        is sent now, and calling what this returns waits for the sum (TimeoutError as sum_in_step). None where the
+        sum cannot start ahead (the source rank, shared memory, a large x): call sum_in_step then."""
+        if self.is_source or not self.star or x.nbytes > STAR_BYTES or x.device != self.device:
+            return None
+        return self._star_started(x, lambda parts: torch.stack(parts).sum(0), SUM_TAG, self.timeout_s)
+
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank ends with the source rank's `x` (in place)."""
         if self.world_size > 1 and x.device != self.device:
@@ -362,13 +370,9 @@ class ParallelContext:
         and receives the result, as messages of `tag`. `timeout_s`: the longest to wait for a message
         (TimeoutError; gloo then closes the connection, so only where a timeout ends the run)."""
         x = x.contiguous()
+        if not self.is_source:
+            return self._star_started(x, combine, tag, timeout_s)()
         with _peer_failures_named():
-            if not self.is_source:  # the result's receive is posted first: gloo moves a message once it is
-                result = torch.empty_like(combine([x] * self.world_size))
-                receiving = dist.irecv(result, self.src, self.group, tag=tag)
-                self._wait(dist.isend(x, self.src, self.group, tag=tag), timeout_s)  # gloo's send waits for a recv
-                self._wait(receiving, timeout_s)
-                return result
             parts = [x] + [torch.empty_like(x) for _ in range(self.world_size - 1)]
             for rank in range(1, self.world_size):
                 self._wait(dist.irecv(parts[rank], dist.get_global_rank(self.group, rank), self.group,
@@ -378,6 +382,23 @@ class ParallelContext:
                          for rank in range(1, self.world_size)]:
                 work.wait()
             return result
+
+    def _star_started(self, x: torch.Tensor, combine: Callable[[list], torch.Tensor], tag: int,
+                      timeout_s: Optional[float]) -> Callable[[], torch.Tensor]:
+        """A rank other than the source's side of `_star`, started: x sent, and the result's receive posted (first:
+        gloo moves a message once its receive is posted); what it returns waits for both, and returns the result."""
+        with _peer_failures_named():
+            result = torch.empty_like(combine([x] * self.world_size))
+            receiving = dist.irecv(result, self.src, self.group, tag=tag)
+            sending = dist.isend(x, self.src, self.group, tag=tag)  # gloo's send waits for the source's receive
+
+        def finish() -> torch.Tensor:
+            with _peer_failures_named():
+                self._wait(sending, timeout_s)
+                self._wait(receiving, timeout_s)
+            return result
+
+        return finish
 
     def _star_broadcast(self, x: torch.Tensor) -> None:
         """The source rank's x, sent to every other rank (in place)."""

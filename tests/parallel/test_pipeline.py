@@ -120,7 +120,8 @@ def smollm2_at_stages(checkpoint, **options) -> dict:
     texts = model.generate(["The capital of France is", "def fib(n):"], max_gen_len=24)
     events = [event["text"] for event in model.stream_generate("Name three colors:", max_gen_len=24)]
     scores = model.evaluate_examples(["The sky is blue."])["log_likelihood"]
-    return {"texts": texts, "events": events, "seed loop": seed_loop(model), "scores": scores, **in_lanes(model)}
+    return {"texts": texts, "events": events, "seed loop": seed_loop(model), "scores": scores, **in_lanes(model),
+            "point to point": model.ctx.star}
 
 
 LANE_PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time", "1, 2, 3,", "The moon is",
@@ -163,9 +164,9 @@ def smollm2_alone(smollm2_checkpoint) -> dict:
 
 
 @pytest.mark.parametrize("ranks, options", [
-    (2, {"pipeline_parallel_size": 2}),
-    (3, {"pipeline_parallel_size": 3, "pipeline_layers": "12,8,10"}),
-], ids=["pp2", "pp3-uneven"])
+    (2, {"pipeline_parallel_size": 2, "transport": "gloo"}),  # point to point, as across machines: headers sent ahead
+    (3, {"pipeline_parallel_size": 3, "pipeline_layers": "12,8,10"}),  # shared memory
+], ids=["pp2-gloo", "pp3-uneven"])
 def test_builtin_model_streams_equal_on_every_rank(smollm2_checkpoint, smollm2_alone, ranks, options):
     results = run_ranks(ranks, _smollm2_with, smollm2_checkpoint, options)
     for rank, result in enumerate(results):
@@ -181,9 +182,14 @@ def test_builtin_model_streams_equal_on_every_rank(smollm2_checkpoint, smollm2_a
             assert [token for token, _ in got] == [token for token, _ in expected]
             assert [p for _, p in got] == pytest.approx([p for _, p in expected], abs=2e-2)
     assert "Paris" in results[0]["texts"][0]
+    assert results[0]["point to point"] == (options.get("transport") == "gloo")
 
 
 def _smollm2_with(checkpoint, options: dict) -> dict:
+    from accessory.parallel.shared_memory import TRANSPORT_VARIABLE
+
+    options = dict(options)
+    os.environ[TRANSPORT_VARIABLE] = options.pop("transport", "auto")
     return smollm2_at_stages(checkpoint, **options)
 
 

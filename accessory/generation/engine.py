@@ -30,9 +30,9 @@ from accessory.generation.packaged_steps import compiled_step
 from accessory.generation.plan import Plan
 from accessory.generation.requests import Event, Request
 from accessory.generation.scheduler import Follower, Scheduler
-from accessory.generation.vocab_slices import Merged, PositionLogprobs
 from accessory.generation.speculation import Speculation
 from accessory.generation.speculative import SpeculativeConfig
+from accessory.generation.vocab_slices import Merged, PositionLogprobs
 from accessory.generation.wire import header_started, share_plan
 from accessory.network.kv_caches import KVCaches
 from accessory.parallel.layers import make_shard
@@ -146,7 +146,9 @@ class Engine:
 
         Under a pipeline of several stages, the rows are split into one lane (micro-batch) per stage when there are
         as many (`Lane`), and stage s runs each plan s steps after the first stage: while the last stage finishes
-        one lane's step, the first begins the next lane's, with the tokens the source rank has just sampled.
+        one lane's step, the first begins the next lane's, with the tokens the source rank has just sampled. Where
+        the step header goes point to point (across machines), a later stage sends its share ahead and runs the plan
+        it already holds while the source rank plans (`wire.header_started`).
 
         Closing the generator early on every rank at the same point (a `break` in user code that every rank runs)
         ends the run there on every rank, and the group is ready for the next one (a pipeline's later stages first
@@ -156,7 +158,7 @@ class Engine:
         step's collectives, and the others next wait only where they check each other (`wire.share_plan`)."""
         lanes = self._lanes(scheduler, rows, columns, keep_finished, requests)
         followed, stage = requests is not None, self.model.stage
-        behind = stage.index if len(lanes) > 1 else 0  # how many steps after the first stage this rank's runs a plan
+        behind = stage.index if len(lanes) > 1 else 0  # how many steps after the first stage this rank runs a plan
         last = stage.count - 1 if len(lanes) > 1 else 0  # ... and the last stage's, which the ranks then reduce
         unrun: deque[tuple[int, Plan]] = deque()  # the plans this rank has yet to run, with their steps
         self.calls += 1
@@ -264,7 +266,6 @@ class Engine:
             if self.ctx.world_size > 1 and not isinstance(error, RanksDisagree):
                 announce_failure(f"{type(error).__name__}: {error} (generation call {self.calls})")
             raise
-
 
 
 @dataclass

@@ -138,15 +138,15 @@ def load_network(folders: list[Path], spec: CheckpointSpec, tokenizer: Tokenizer
                  stage_layers: Optional[str] = None) -> nn.Module:
     """The network of `folders` (read as `spec`), built on the meta device, quantized as `quant` says, with this
     rank's slice of every weight, in eval mode; with the PEFT `adapters` ((owner, folder): adapter_paths) attached
-    unmerged, in float. `stages`: pipeline stages over `ctx`'s ranks, their layers split as `stage_layers` says
-    (runtime/placement.py); this rank builds and reads only its stage's."""
+    unmerged, in float. `stages`: pipeline stages over `ctx`'s ranks (a count `check_stage_count` passed), their
+    layers split as `stage_layers` says (runtime/placement.py); this rank builds and reads only its stage's."""
     model_args, transformer = model_classes(spec.llama_type)
     config = resolved_config({**spec.config, "max_seq_len": max_seq_len}, tokenizer, str(folders[-1]))
     args = model_args.from_dict(config, source=f"config of {folders[-1]}")
     if tokenizer.n_words > args.vocab_size:
         raise ConfigError(f"tokenizer has {tokenizer.n_words} tokens but the model's vocab_size is "
                           f"{args.vocab_size}: they do not belong together")
-    tp = ctx.world_size // check_stage_count(stages, ctx.world_size)
+    tp = ctx.world_size // stages
     args.check_parallel_size(tp)  # before any weight is read
 
     def build(stage: Stage) -> nn.Module:

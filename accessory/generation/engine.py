@@ -183,8 +183,6 @@ class Engine:
                         self._run_next(lanes, unrun)
                     reduced = lanes[(step - last) % len(lanes)] if step >= last else None
                     scored = reduced.reduce() if reduced is not None else []
-                    if unrun:  # the next plan this stage runs: its input may move while the stage before waits
-                        lanes[unrun[0][0] % len(lanes)].runner.expect(unrun[0][1])
                 if events and followed:
                     yield events
                 if scored:

@@ -94,13 +94,6 @@ class ModelRunner:
         logits = None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
         return Stepped(logits, scores)
 
-    def expect(self, plan: Plan) -> None:
-        """Under a pipeline, post the receive of the hidden states that `plan`, to be run next, starts with, when
-        they are a plain decode's (Stage.expect: they then move while the previous stage waits)."""
-        if plan.keep and not plan.score and not self.model.stage.first and self.proposer is None:
-            rows = self._padded_rows(len(plan.keep))
-            self.model.stage.expect((rows, self.model.args.dim), self.model.dtype)
-
     def _admit(self, joining: Joining) -> torch.Tensor:
         """Prefill the joining prompts into the rows after the kept ones; their last tokens' logits (prompts, local
         vocabulary)."""

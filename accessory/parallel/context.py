@@ -23,16 +23,14 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from accessory.errors import CollectivesOutOfStep, ConfigError, RanksDisagree
-from accessory.parallel.shared_memory import OUT_OF_STEP, SharedMemoryGroup, for_group, forget_groups, ranks_and_cores
-from accessory.parallel.watchdog import announce_failure, announced_failure, stop_watchdog
+from accessory.parallel.links import BROADCAST, GATHER, SUM, Link, close_links, connect
+from accessory.parallel.shared_memory import (OUT_OF_STEP, SharedMemoryGroup, group_timeout_s, for_group, forget_groups,
+                                              ranks_and_cores)
+from accessory.parallel.watchdog import announced_failure, stop_watchdog
 
 log = logging.getLogger(__name__)
 
 STAR_BYTES = 1 << 16  # messages up to this size go point to point through the source rank (`ParallelContext.star`)
-# their tags, one per kind: a message of one kind is never taken for another's (a rank that left a stream early
-# goes on to its next call's broadcast; the others, still in the step's all-reduce, then find it out of step, as
-# with gloo's own collectives), nor for the pipeline stages' transfers between the same ranks (tag 0)
-SUM_TAG, GATHER_TAG, BROADCAST_TAG = 7, 8, 9
 ANNOUNCEMENT_S = 3.0  # how long a rank whose peer closed its connection waits for that peer to say why
 
 
@@ -114,6 +112,7 @@ def shutdown_distributed(timeout_s: Optional[float] = None) -> None:
             dist.barrier()
         stop_watchdog()  # after the barrier: every rank is here, none may go silent while another still waits
         forget_groups()
+        close_links()
         dist.destroy_process_group()
 
 
@@ -122,6 +121,7 @@ def leave_distributed() -> None:
     could hang (torchrun ends the rest)."""
     if dist.is_initialized():
         forget_groups()
+        close_links()
         dist.destroy_process_group()
 
 
@@ -209,9 +209,11 @@ class ParallelContext:
     # addresses and gloo's own CUDA paths crashed a rank (benchmarks/README.md, "GPU")
     device: torch.device = field(default=torch.device("cpu"), compare=False, repr=False)
     # gloo without the segment (ranks on several machines): the engine's small messages (a step's header, sampling's
-    # candidates) go as point-to-point messages through the source rank, about 0.1 ms a hop, where each of gloo's
-    # collectives took about 1.2 ms however small (benchmarks/README.md, "Pipeline stages")
-    star: bool = field(default=False, compare=False, repr=False)
+    # candidates) go point to point through the source rank over TCP connections of their own (links.py): a round
+    # trip took 0.09 ms over a link between two machines, gloo's send and receive 0.53 ms (benchmarks/README.md,
+    # "Links").
+    # The source rank holds a link to every other rank, by group rank; every other rank one, to the source.
+    links: Optional[dict[int, Link]] = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_group(cls, group: Optional[dist.ProcessGroup] = None, timeout_s: float = 60.0) -> "ParallelContext":
@@ -225,8 +227,11 @@ class ParallelContext:
         backend = dist.get_backend(group)
         local = for_group(group) if world > 1 and backend == "gloo" else None
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        star = world > 1 and backend == "gloo" and local is None
-        return cls(group, dist.get_rank(group), world, dist.get_global_rank(group, 0), timeout_s, local, device, star)
+        rank = dist.get_rank(group)
+        links = None
+        if world > 1 and backend == "gloo" and local is None:
+            links = connect(group, list(range(1, world)) if rank == 0 else [0], group_timeout_s(group))
+        return cls(group, rank, world, dist.get_global_rank(group, 0), timeout_s, local, device, links)
 
     @classmethod
     def of_stage(cls, group: Optional[dist.ProcessGroup], whole: "ParallelContext") -> "ParallelContext":
@@ -238,6 +243,11 @@ class ParallelContext:
     @property
     def is_source(self) -> bool:
         return self.rank == 0
+
+    @property
+    def star(self) -> bool:
+        """Whether the small messages go point to point through the source rank (`links`)."""
+        return self.links is not None
 
     # The layers' collectives are functional (out of place), so a compiled decode step traces through them.
 
@@ -266,7 +276,7 @@ class ParallelContext:
             parts[self.rank] = x
             return funcol.all_reduce(torch.cat(parts, dim=dim), "sum", self.group)
         if self.star and x.nbytes <= STAR_BYTES:
-            return torch.cat(self._star(x, torch.cat, GATHER_TAG).chunk(self.world_size), dim=dim)
+            return torch.cat(self._star(x, torch.cat, GATHER).chunk(self.world_size), dim=dim)
         # all_gather_tensor, not all_gather_single: torch 2.11 (CUDA 13 wheels) has only the former
         gathered = funcol.all_gather_tensor(x.contiguous(), 0, self.group)  # the ranks' x stacked on dim 0
         return torch.cat(gathered.chunk(self.world_size, dim=0), dim=dim)
@@ -287,19 +297,11 @@ class ParallelContext:
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_source else None
         with _peer_failures_named():
             if self.star and x.nbytes <= STAR_BYTES:  # each rank's message straight to the source
-                if not self.is_source:  # gloo's send waits for the recv: a source elsewhere is out of step
-                    try:
-                        self._wait(dist.isend(x, self.src, self.group, tag=GATHER_TAG), self.timeout_s)
-                    except TimeoutError:
-                        message = (f"rank {self.rank} waited {self.timeout_s:g} s for the source rank to take its "
-                                   f"share of a gather (a generation step's candidates): the ranks are not at the "
-                                   f"same step")
-                        announce_failure(message)
-                        raise RanksDisagree(message) from None
+                if not self.is_source:
+                    self.links[0].send(x, GATHER)
                     return None
-                parts[0] = x
-                for rank in range(1, self.world_size):
-                    dist.recv(parts[rank], dist.get_global_rank(self.group, rank), self.group, tag=GATHER_TAG)
+                parts = [x] + [self.links[rank].receive(x.shape, x.dtype, GATHER)
+                               for rank in range(1, self.world_size)]
             else:
                 dist.gather(x, parts, dst=self.src, group=self.group)
         return torch.cat(parts, dim=dim) if self.is_source else None
@@ -319,7 +321,7 @@ class ParallelContext:
                     raise
                 raise TimeoutError(f"the other ranks did not join within {self.timeout_s:g} s") from None
         if self.world_size > 1 and self.star and x.nbytes <= STAR_BYTES:
-            return x.copy_(self._star(x, lambda parts: torch.stack(parts).sum(0), SUM_TAG, self.timeout_s))
+            return x.copy_(self._star(x, lambda parts: torch.stack(parts).sum(0), SUM, self.timeout_s))
         if self.world_size > 1:
             work = dist.all_reduce(x, group=self.group, async_op=True)
             try:
@@ -337,7 +339,7 @@ class ParallelContext:
         sum cannot start ahead (the source rank, shared memory, a large x): call sum_in_step then."""
         if self.is_source or not self.star or x.nbytes > STAR_BYTES or x.device != self.device:
             return None
-        return self._star_started(x, lambda parts: torch.stack(parts).sum(0), SUM_TAG, self.timeout_s)
+        return self._star_started(x, lambda parts: torch.stack(parts).sum(0), SUM, self.timeout_s)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank ends with the source rank's `x` (in place)."""
@@ -368,55 +370,38 @@ class ParallelContext:
               timeout_s: Optional[float] = None) -> torch.Tensor:
         """combine(every rank's x, in rank order) on every rank, through the source rank: each other rank sends it x
         and receives the result, as messages of `tag`. `timeout_s`: the longest to wait for a message
-        (TimeoutError; gloo then closes the connection, so only where a timeout ends the run)."""
+        (TimeoutError)."""
         x = x.contiguous()
         if not self.is_source:
             return self._star_started(x, combine, tag, timeout_s)()
         with _peer_failures_named():
-            parts = [x] + [torch.empty_like(x) for _ in range(self.world_size - 1)]
-            for rank in range(1, self.world_size):
-                self._wait(dist.irecv(parts[rank], dist.get_global_rank(self.group, rank), self.group,
-                                      tag=tag), timeout_s)
+            parts = [x] + [self.links[rank].receive(x.shape, x.dtype, tag, timeout_s)
+                           for rank in range(1, self.world_size)]
             result = combine(parts).contiguous()
-            for work in [dist.isend(result, dist.get_global_rank(self.group, rank), self.group, tag=tag)
-                         for rank in range(1, self.world_size)]:
-                work.wait()
+            for rank in range(1, self.world_size):
+                self.links[rank].send(result, tag)
             return result
 
     def _star_started(self, x: torch.Tensor, combine: Callable[[list], torch.Tensor], tag: int,
                       timeout_s: Optional[float]) -> Callable[[], torch.Tensor]:
-        """A rank other than the source's side of `_star`, started: x sent, and the result's receive posted (first:
-        gloo moves a message once its receive is posted); what it returns waits for both, and returns the result."""
+        """A rank other than the source's side of `_star`, started: x sent; what it returns waits for the result."""
         with _peer_failures_named():
-            result = torch.empty_like(combine([x] * self.world_size))
-            receiving = dist.irecv(result, self.src, self.group, tag=tag)
-            sending = dist.isend(x, self.src, self.group, tag=tag)  # gloo's send waits for the source's receive
+            self.links[0].send(x, tag)
+        shape = combine([x] * self.world_size).shape
 
         def finish() -> torch.Tensor:
             with _peer_failures_named():
-                self._wait(sending, timeout_s)
-                self._wait(receiving, timeout_s)
-            return result
+                return self.links[0].receive(shape, x.dtype, tag, timeout_s)
 
         return finish
 
     def _star_broadcast(self, x: torch.Tensor) -> None:
         """The source rank's x, sent to every other rank (in place)."""
         if not self.is_source:
-            dist.recv(x, self.src, self.group, tag=BROADCAST_TAG)
+            x.copy_(self.links[0].receive(x.shape, x.dtype, BROADCAST))
             return
-        for work in [dist.isend(x, dist.get_global_rank(self.group, rank), self.group, tag=BROADCAST_TAG)
-                     for rank in range(1, self.world_size)]:
-            work.wait()
-
-    @staticmethod
-    def _wait(work, timeout_s: Optional[float]) -> None:
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=timeout_s)) if timeout_s else work.wait()
-        except RuntimeError as e:
-            if "timed out" in str(e).lower():
-                raise TimeoutError(str(e)) from None
-            raise
+        for rank in range(1, self.world_size):
+            self.links[rank].send(x, BROADCAST)
 
     def _broadcast_pickled(self, obj: Any) -> Any:
         """The source rank's `obj` through the segment: its pickle's length, then its bytes."""

@@ -5,13 +5,15 @@ A model-parallel group of pp x tp ranks is `pp` stages of `tp` consecutive ranks
 processes consecutively, so a stage stays on one machine and only its boundary crosses the network). Stage s holds a
 contiguous run of layers (stages.py says which); inside a stage the layers are tensor-parallel over the stage's own
 group (`Stage.tensor`). At a boundary only the first tensor rank of each stage sends and receives, one copy of the
-hidden states, which it then broadcasts to its stage's other ranks (through shared memory on one machine).
+hidden states, over a TCP connection of its own to the neighbouring stage's first rank (links.py: a send never waits
+for the receiver, which reads a step later with micro-batches in flight), then broadcasts them to its stage's other
+ranks (through shared memory on one machine).
 """
 from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -19,6 +21,8 @@ import torch.distributed as dist
 
 from accessory.errors import ConfigError, RanksDisagree
 from accessory.parallel.context import ParallelContext
+from accessory.parallel.links import HIDDEN, Link, connect
+from accessory.parallel.shared_memory import group_timeout_s
 from accessory.parallel.watchdog import announce_failure, announced_failure, name_rank
 
 log = logging.getLogger(__name__)
@@ -27,17 +31,15 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Stage:
     """This rank's pipeline stage: its place (`index`), every stage's layers (`split`: global layer indices), its
-    stage's tensor-parallel context, and, on the stage's first tensor rank, the global ranks of the neighbouring
-    stages' first tensor ranks (None: no such stage, or not this stage's first tensor rank)."""
+    stage's tensor-parallel context, and, on the stage's first tensor rank, the links to the neighbouring stages'
+    first tensor ranks (None: no such stage, or not this stage's first tensor rank)."""
     index: int
     split: tuple[range, ...]
     tensor: ParallelContext
-    previous: Optional[int] = None
-    next: Optional[int] = None
+    previous: Optional[Link] = None
+    next: Optional[Link] = None
     last_lead: Optional[int] = None  # the global rank of the last stage's first tensor rank
     group: Optional[dist.ProcessGroup] = None  # the whole model's group
-    sending: list = field(default_factory=list)  # (work, tensor) of sends the next stage may not have taken yet
-    expected: list = field(default_factory=list)  # (work, tensor) of receives posted before they were needed
 
     @classmethod
     def whole(cls, n_layers: int, ctx: ParallelContext) -> "Stage":
@@ -65,51 +67,29 @@ class Stage:
 
     def send(self, h: torch.Tensor) -> None:
         """Hand this stage's output hidden states to the next stage (its first tensor rank sends; the others hold
-        the same values and send nothing), without waiting for it to take them: with micro-batches in flight
-        (engine.py) it takes them a step later, and gloo's send waits for the receiver."""
-        if self.next is None:
-            return
-        with self._failures_named("sending to", self.next):
-            self._taken(all_of_them=False)
-            h = h.detach().to(self.tensor.device, copy=True).contiguous()  # a compiled step may reuse its output
-            self.sending.append((dist.isend(h, self.next), h))
+        the same values and send nothing), without waiting for it to take them."""
+        if self.next is not None:
+            with self._failures_named("sending to", self.next.peer):
+                self.next.send(h.detach().cpu().contiguous(), HIDDEN)
 
     def settle(self) -> None:
-        """Wait until the next stage has taken every send (the end of a run)."""
-        with self._failures_named("sending to", self.next):
-            self._taken(all_of_them=True)
-
-    def _taken(self, all_of_them: bool) -> None:
-        """Forget the sends the next stage has taken (raising a failed one's error); all of them waits for them."""
-        while self.sending and (all_of_them or self.sending[0][0].is_completed()):
-            work, _ = self.sending.pop(0)
-            work.wait()
+        """Wait until every send has left (the end of a run)."""
+        if self.next is not None:
+            with self._failures_named("sending to", self.next.peer):
+                self.next.flush()
 
     def receive(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The previous stage's output hidden states, `shape`, on every rank of this stage.
 
         The wait has no timeout of its own: a previous stage may be slow for good reasons (compiling its step, a
-        long prefill), and gloo closes the connection when a wait times out. A stage that died, froze or lost its
-        link goes silent, and the watchdog (watchdog.py) ends this rank within rank_timeout, naming it; one that
-        is alive but elsewhere times out in the step header (wire.py) and says so."""
+        long prefill). A stage that died closes its links, and this rank names it; one that froze or lost its link
+        goes silent, and the watchdog (watchdog.py) ends this rank within rank_timeout, naming it; one that is alive
+        but elsewhere times out in the step header (wire.py) and says so."""
         if self.previous is None:  # a later tensor rank: its stage's first rank shares what it received
             return self.tensor.broadcast(torch.empty(shape, dtype=dtype, device=self.tensor.device)).to(device)
-        with self._failures_named("receiving from", self.previous):
-            if not self.expected:
-                self.expect(shape, dtype)
-            work, h = self.expected.pop(0)
-            if h.shape != shape or h.dtype != dtype:
-                raise RuntimeError(f"expected hidden states {tuple(h.shape)} {h.dtype}; the step takes {shape} {dtype}")
-            work.wait()
-        return self.tensor.broadcast(h).to(device)
-
-    def expect(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        """Post the receive of the next hidden states (`shape`), before this stage needs them: gloo moves a message
-        only once its receive is posted, and the sender's side then answers from a thread that its stage's busy
-        compute delays (by about a millisecond); posted while the previous stage waits, it moves at once."""
-        if self.previous is not None:
-            h = torch.empty(shape, dtype=dtype, device=self.tensor.device)
-            self.expected.append((dist.irecv(h, self.previous), h))
+        with self._failures_named("receiving from", self.previous.peer):
+            h = self.previous.receive(shape, dtype, HIDDEN)
+        return self.tensor.broadcast(h.to(self.tensor.device)).to(device)
 
     def from_last(self, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """The last stage's float32 `x` (`shape`: whole logits, scoring), on every rank of the model; collective."""
@@ -151,8 +131,8 @@ def pipeline_stage(ctx: ParallelContext, split: tuple[range, ...]) -> Stage:
     group = dist.new_group(mine, use_local_synchronization=True) if tp > 1 else None
     tensor = ParallelContext.of_stage(group, ctx)
     leads = [ranks[s * tp] for s in range(stages)]
-    previous = leads[index - 1] if index > 0 and tensor_rank == 0 else None
-    following = leads[index + 1] if index + 1 < stages and tensor_rank == 0 else None
-    stage = Stage(index, split, tensor, previous, following, leads[-1], ctx.group)
+    neighbours = [s * tp for s in (index - 1, index + 1) if 0 <= s < stages] if tensor_rank == 0 else []
+    links = connect(ctx.group, neighbours, group_timeout_s(ctx.group))
+    stage = Stage(index, split, tensor, links.get((index - 1) * tp), links.get((index + 1) * tp), leads[-1], ctx.group)
     name_rank(f"pipeline {stage.describe()}, tensor rank {tensor_rank}")
     return stage

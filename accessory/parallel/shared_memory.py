@@ -167,7 +167,7 @@ def _attach(group: dist.ProcessGroup, rank: int, world: int) -> Optional[SharedM
     ranks, cores = ranks_and_cores()
     yields = ranks > cores
     spin = YIELD_US if yields else SPIN_US
-    timeout_s = _group_timeout_s(group)
+    timeout_s = group_timeout_s(group)
     path, handle, problem = None, -1, None
     try:
         if rank == 0:  # creates it and writes its header before the others are told its name
@@ -264,7 +264,7 @@ def ranks_and_cores() -> tuple[int, int]:
     return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())), len(os.sched_getaffinity(0))
 
 
-def _group_timeout_s(group: dist.ProcessGroup) -> float:
+def group_timeout_s(group: dist.ProcessGroup) -> float:
     """The process group's own timeout: how long gloo would wait in a collective."""
     try:
         return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()

@@ -65,10 +65,10 @@ print(f"[rank {{rank}}] no error", flush=True)
 @pytest.mark.parametrize("transport", ["shm", "gloo"])
 def test_a_break_on_one_rank_only_ends_every_rank_with_a_named_error(smollm2_checkpoint, tmp_path, transport):
     """Under torchrun, rank 0 leaves the stream after 3 chunks and goes on to its next call; ranks 1 and 2 go on
-    reading. Ranks 1 and 2 raise RanksDisagree naming where they are: through shared memory at once (rank 0's next
-    collective is not theirs), through gloo within the rank timeout (they wait for rank 0 in the next step). Rank 0
-    raises too, or, blocked in a collective that the others never join, is ended by its watchdog with their
-    message."""
+    reading. Ranks 1 and 2 raise RanksDisagree at once, naming where they are: through shared memory, rank 0's next
+    collective is not theirs; across machines (links.py), rank 0's next message is its next call's broadcast where
+    they wait for the step's sum. Rank 0 raises too, or, blocked in a collective that the others never join, is
+    ended by its watchdog with their message."""
     script = tmp_path / "disagree.py"
     script.write_text(DISAGREEING_SCRIPT.format(paths=[str(TESTS), str(Path(__file__).parent)],
                                                 folder=str(smollm2_checkpoint), timeout=TIMEOUT_S))
@@ -86,5 +86,6 @@ def test_a_break_on_one_rank_only_ends_every_rank_with_a_named_error(smollm2_che
         assert (raised and float(raised.group(1)) < TIMEOUT_S + 10) or ended, out[-4000:]
     where = (r"rank [12] is at generation call 1, step \d, but .* not in the same collective: rank [12] is in an "
              r"all-reduce of \d+ int64, rank 0 in a broadcast" if transport == "shm" else
-             r"rank [12] waited 5 s for the other ranks at generation call 1, step \d")
+             r"rank [12] is at generation call 1, step \d, but rank 0 sent a broadcast of \d+ bytes where this rank "
+             r"waited for a sum")
     assert re.search(where, out), out[-4000:]

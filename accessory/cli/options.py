@@ -50,11 +50,13 @@ def both_spellings(parser: argparse.ArgumentParser) -> None:
 
 
 def pipeline_layers(text: str) -> str:
-    """--pp-layers: even, auto, or whole numbers >= 1 separated by commas (checked against --pp and the model's layer
-    count once it is read)."""
-    if text in ("even", "auto") or all(part.strip().isdigit() and int(part) >= 1 for part in text.split(",")):
+    """--pp-layers: even, balanced, auto, or whole numbers >= 1 separated by commas (checked against --pp and the
+    model's layer count once it is read)."""
+    if text in ("even", "balanced", "auto") or all(part.strip().isdigit() and int(part) >= 1
+                                                   for part in text.split(",")):
         return text
-    raise argparse.ArgumentTypeError(f"{text!r}: expected even, auto, or a layer count per stage such as 12,18")
+    raise argparse.ArgumentTypeError(f"{text!r}: expected even, balanced, auto, or a layer count per stage such as "
+                                     f"12,18")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -85,9 +87,12 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        help="pipeline stages: the model-parallel ranks split into N stages of consecutive ranks, each "
                        "holding a contiguous run of layers and tensor-parallel inside; a stage per machine sends one "
                        "activation a token across the network (docs/multinode.md; default: 1)")
-    ranks.add_argument("--pp-layers", dest="pipeline_layers", type=pipeline_layers, metavar="even|auto|A,B,...",
-                       help="how the layers split over the --pp stages: even (default), auto (by each stage's memory "
-                       "budget: its cgroup limit, available RAM or free GPU memory) or a count per stage, e.g. 12,18")
+    ranks.add_argument("--pp-layers", dest="pipeline_layers", type=pipeline_layers,
+                       metavar="even|balanced|auto|A,B,...",
+                       help="how the layers split over the --pp stages: even (default), balanced (each stage's work a "
+                       "token about the same, the head counted: the most tokens a second with many requests), auto "
+                       "(by each stage's memory budget: its cgroup limit, available RAM or free GPU memory) or a "
+                       "count per stage, e.g. 12,18")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--rank-timeout", type=positive_float, default=LoadOptions.rank_timeout,
                         help="seconds after which a rank that stopped answering (frozen, lost) ends every rank, "

@@ -76,7 +76,7 @@ def add_inspect_verb(verbs) -> None:
                                       "rank)")
     plan.add_argument("--tp", type=positive_int, help="tensor-parallel ranks a stage")
     plan.add_argument("--pp", type=positive_int, help="pipeline stages")
-    plan.add_argument("--pp-layers", type=pipeline_layers, metavar="even|auto|A,B,...",
+    plan.add_argument("--pp-layers", type=pipeline_layers, metavar="even|balanced|auto|A,B,...",
                       help="the layer split, as `generate --pp-layers` takes it (auto: this machine's budget a stage)")
     plan.add_argument("--quant", choices=["int8", "int4"], help="as loading with --quant would hold a float checkpoint")
     plan.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="float dtype (default: fp32)")

@@ -92,8 +92,9 @@ class MetaModel(nn.Module):
         `pipeline_parallel_size` (`--pp`): split the model-parallel group's ranks into this many pipeline stages
         of consecutive ranks, each holding a contiguous run of layers (tensor-parallel inside the stage: world =
         data-parallel x pipeline x tensor); each rank reads only its stage's tensors. `pipeline_layers`
-        (`--pp-layers`): "even" (the default), "auto" (by each stage's memory budget) or a count per stage,
-        "12,18". Not with speculative decoding. See docs/multinode.md.
+        (`--pp-layers`): "even" (the default), "balanced" (each stage's work a token about the same), "auto"
+        (by each stage's memory budget) or a count per stage, "12,18". Not with speculative decoding. See
+        docs/multinode.md.
 
         `with_visual`: LLaMA2-Accessory's flag for a model that reads images. A vision-language checkpoint (llama_type
         "llava") loads its vision tower either way; with_visual=True on a text model is an error.

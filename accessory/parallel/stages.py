@@ -4,6 +4,9 @@ Stage s holds layers `split[s]` (a range); the first stage also holds the embedd
 output head. Three ways to split, as `--pp-layers` takes them:
 - even (the default): the layers left over go to the first stages, since the last one also computes the head, the
   largest single product of a step when the vocabulary is large;
+- balanced: each stage's work a token about the same, the last stage's head counted (placement.py
+  `multiplied`): the stages then take about as long a step, and with micro-batches in flight the slowest sets the
+  pace;
 - explicit: a count per stage, "12,18";
 - auto: by each stage's memory budget, counting what the first and last stages hold besides their layers
   (`by_memory`).
@@ -28,7 +31,8 @@ def explicit_split(n_layers: int, stages: int, text: str) -> tuple[range, ...]:
     try:
         counts = [int(part) for part in text.split(",")]
     except ValueError:
-        raise ConfigError(f"--pp-layers {text!r}: expected {stages} whole numbers separated by commas, or 'auto'")
+        raise ConfigError(f"--pp-layers {text!r}: expected {stages} whole numbers separated by commas, "
+                          f"or even, balanced or auto")
     if len(counts) != stages:
         raise ConfigError(f"--pp-layers {text!r} gives {len(counts)} stages' layers; --pp is {stages}")
     if min(counts) < 1:

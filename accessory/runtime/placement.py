@@ -2,11 +2,13 @@
 meta device (no memory), before anything is loaded; and, for a model that cannot fit, the stage count that would.
 
 Sizes are one rank's at the stages' tensor-parallel size, quantized as the model will be: each layer's bytes, the
-first stage's extras (the embedding table, a vision tower) and the last stage's (the final norm and the head).
+first stage's extras (the embedding table, a vision tower) and the last stage's (the final norm and the head); and
+the work a token makes in each layer and in the head, as the weight elements it multiplies (`balanced`).
 """
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -17,12 +19,13 @@ from accessory.errors import ConfigError
 from accessory.network.memory import memory_budget, weight_bytes
 from accessory.network.kv_caches import layer_columns
 from accessory.parallel import ParallelContext, head_placement
+from accessory.parallel.layers import ParallelEmbedding, ParallelWeight
 from accessory.parallel.pipeline import Stage
 from accessory.parallel.stages import by_memory, even_split, explicit_split, fits, stage_bytes
 
 log = logging.getLogger(__name__)
 
-AUTO = "auto"
+AUTO, BALANCED = "auto", "balanced"
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,8 @@ class Sizes:
     first: int
     last: int
     shared: int = 0
+    layer_work: tuple[int, ...] = ()  # the weight elements a token multiplies in each layer
+    head_work: int = 0  # ... and in the head
 
     def per_stage(self, split: tuple[range, ...]) -> list[int]:
         held = stage_bytes(split, self.layers, self.first, self.last)
@@ -48,15 +53,26 @@ def model_sizes(build: Callable[[Stage], nn.Module], n_layers: int, tp: int, dty
     head, norm = weight_bytes(whole.output, dtype), weight_bytes(whole.norm, dtype)
     shared = head if whole.output.weight is whole.tok_embeddings.weight else 0
     first = weight_bytes(whole, dtype) - sum(layers) - norm - head + shared  # the embedding, a vision tower
-    return Sizes(layers, first, norm + head, shared)
+    return Sizes(layers, first, norm + head, shared, tuple(map(multiplied, whole.layers)), multiplied(whole.output))
+
+
+def multiplied(module: nn.Module) -> int:
+    """The weight elements a token multiplies in `module`, quantized or not (every expert of a mixture's: a
+    uniform overcount across its layers); an embedding's lookup multiplies none."""
+    return sum(math.prod(m.weight.shape) for m in module.modules()
+               if isinstance(m, ParallelWeight) and not isinstance(m, ParallelEmbedding))
 
 
 def layer_split(n_layers: int, stages: int, how: Optional[str], sizes: Callable[[], Sizes],
                 budgets: Callable[[], list[int]]) -> tuple[range, ...]:
-    """Each stage's layers: even (`how` None or "even"), explicit ("12,18") or by memory ("auto": `sizes` and each
-    stage's `budgets`, asked for only then)."""
+    """Each stage's layers: even (`how` None or "even"), balanced (each stage's work a token about the same, the
+    head's counted: `sizes`), explicit ("12,18") or by memory ("auto": `sizes` and each stage's `budgets`); `sizes`
+    and `budgets` are asked for only when needed."""
     if how in (None, "even"):
         return even_split(n_layers, stages)
+    if how == BALANCED:  # the least work on the busiest stage: with micro-batches in flight, it sets the pace
+        found = sizes()
+        return by_memory(found.layer_work, 0, found.head_work, [1] * stages)
     if how == AUTO:
         split = by_memory((found := sizes()).layers, found.first, found.last, (room := budgets()))
         if not fits(split, found.layers, found.first, found.last, room):

@@ -1,5 +1,6 @@
-"""Pipeline stages' layer splits (parallel/stages.py): even, explicit (`--pp-layers 12,18`) and by memory (`--pp-layers
-auto`). Oracles: counts by hand, and for the split by memory every possible split enumerated."""
+"""Pipeline stages' layer splits (parallel/stages.py): even, explicit (`--pp-layers 12,18`), by memory (`--pp-layers
+auto`) and balanced (by the work a token makes, runtime/placement.py). Oracles: counts by hand, and for the split by
+memory every possible split enumerated."""
 from __future__ import annotations
 
 import itertools
@@ -39,7 +40,7 @@ def test_an_explicit_split_is_taken_as_written():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("12,x", "expected 2 whole numbers separated by commas, or 'auto'"),
+    ("12,x", "expected 2 whole numbers separated by commas, or even, balanced or auto"),
     ("", "expected 2 whole numbers"),
     ("30", "gives 1 stages' layers; --pp is 2"),
     ("10,10,10", "gives 3 stages' layers; --pp is 2"),
@@ -94,3 +95,36 @@ def test_whether_a_split_fits_its_budgets():
     assert fits(split, [10] * 4, 5, 5, [30, 30]) and not fits(split, [10] * 4, 5, 5, [30, 24])
     with pytest.raises(ConfigError, match=r"every stage needs a memory budget above 0 bytes, got \[30, 0\]"):
         by_memory([10] * 4, 5, 5, [30, 0])
+
+
+def test_a_balanced_split_gives_the_head_s_stage_fewer_layers(smollm2_checkpoint, capsys):
+    """`--pp-layers balanced` on the built-in model (int4), as `accessory inspect` prints it: each layer multiplies
+    3.54M weights a token and the head 28.3M (vocabulary x dim, 8 layers' worth), so 2 stages take 19 and 11 layers
+    (67.3M and 67.2M), where an even split gives the head's stage 81.4M against 53.1M; 3 stages take 12, 13 and 5."""
+    from accessory.cli import main
+
+    per_layer = 576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536  # wq wk wv (3 KV heads of 64) wo, w1 w2 w3
+    assert per_layer == 3_538_944 and 49152 * 576 == 8 * per_layer  # the head, as many weights as 8 layers
+    for pp, expected in ((2, ["layers 0-18 + embedding", "layers 19-29 + norm and head"]),
+                         (3, ["layers 0-11 + embedding", "layers 12-24:", "layers 25-29 + norm and head"])):
+        try:
+            main(["inspect", str(smollm2_checkpoint), "--pp", str(pp), "--pp-layers", "balanced", "--quant", "int4"])
+        except SystemExit as e:
+            assert e.code == 0
+        stages = [line for line in capsys.readouterr().out.splitlines() if line.startswith("stage ")]
+        assert len(stages) == pp and all(part in line for part, line in zip(expected, stages)), stages
+
+
+def test_the_work_a_token_makes_counts_quantized_weights_as_float_ones_and_no_embedding():
+    from torch import nn
+
+    from accessory.parallel import ParallelContext
+    from accessory.parallel.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
+    from accessory.runtime.placement import multiplied
+
+    ctx = ParallelContext(None, 0, 1, 0)
+    block = nn.ModuleList([ColumnParallelLinear(64, 96, ctx), RowParallelLinear(96, 64, ctx),
+                           ParallelEmbedding(1000, 64, ctx)])
+    assert multiplied(block) == 2 * 64 * 96
+    block[0].quantize_("int4")
+    assert multiplied(block) == 2 * 64 * 96

@@ -15,6 +15,7 @@ every collective through gloo, as before shared memory.
     python benchmarks/parallel.py --models smollm2 --ranks 1 2 3 --modes eager compiled --dtypes float32 int4 \\
         --batch-sizes 1 16 --new-tokens 64 --rounds 2
     python benchmarks/parallel.py --collectives          # one all-reduce and one gather: shared memory and gloo
+    python benchmarks/parallel.py --collectives --two-machines   # as root: the same, and round trips, over the link
     python benchmarks/parallel.py --two-machines         # as root: two network namespaces, a 1 Gbit/s veth link
     python benchmarks/parallel.py --two-machines --pp 1 2 --modes compiled --dtypes int4   # tensor vs pipeline
 
@@ -25,7 +26,8 @@ top 2, SmolLM2's width and tokenizer, 12 layers; written once into the cache wit
 `--two-machines` (root; skipped otherwise): namespaces `acc-m0` and `acc-m1` joined by a veth pair, each direction
 limited with `tc qdisc ... tbf rate 1gbit`; `torchrun --nnodes=2` with `--ranks` ranks on each, each machine's ranks
 pinned to cores of their own (`taskset`), as two machines would not share a core, and the one-process peers pinned
-alike; the namespaces are removed afterwards. `--pp-layers`: the stages' split (`even`, or counts: `17,13`).
+alike; the namespaces are removed afterwards. `--pp-layers`: the stages' splits, each in turn (`even`, or counts:
+`even 19,11`).
 """
 from __future__ import annotations
 
@@ -59,7 +61,8 @@ def main() -> None:
     p.add_argument("--two-machines", action="store_true", help="as root: the ranks on two network namespaces")
     p.add_argument("--pp", nargs="+", type=int, default=[1], help="--two-machines: pipeline stages, each size in turn "
                    "(1: the ranks are tensor-parallel across the link; 2: a stage on each machine)")
-    p.add_argument("--pp-layers", default="even", help="--two-machines: how the layers split over the stages")
+    p.add_argument("--pp-layers", nargs="+", default=["even"], help="--two-machines: how the layers split over the "
+                   "stages, each in turn")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -152,7 +155,7 @@ def decode_worker(args) -> None:
     quant = "int4" if dtype == "int4" and folder == model_folder(model_name, "float32") else None
     model = MetaModel.from_pretrained(folder, quant=quant, compile=mode == "compiled", max_seq_len=1024,
                                       max_batch_size=max(args.batch_sizes), pipeline_parallel_size=args.pp[0],
-                                      pipeline_layers=args.pp_layers)
+                                      pipeline_layers=args.pp_layers[0])
     model.stop_ids = set()
     for batch in args.batch_sizes:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
@@ -248,14 +251,26 @@ def moe_folder() -> Path:
 # ---- one collective ------------------------------------------------------------------------------------------------
 
 def collectives(args) -> list[dict]:
+    """Each collective's latency at each of `--ranks` (above 1), through shared memory and gloo; with
+    `--two-machines`, at 2 ranks, one on each machine, through gloo. Beside them, a round trip of one token's hidden
+    states (576 floats) between ranks 0 and 1: gloo's send and receive, and the runtime's link (links.py)."""
     results = []
-    for ranks in [r for r in args.ranks if r > 1]:
+    if args.two_machines:
+        try:
+            link_machines()
+            results = two_machine_job(args, ["--worker", "collectives"], 1)
+        finally:
+            unlink_machines()
+    for ranks in [r for r in args.ranks if r > 1 and not args.two_machines]:
         for transport in ("auto", "gloo"):
             results += run_job(args, ["--worker", "collectives"], ranks, 1, env_extra={"ACCESSORY_TRANSPORT":
                                                                                         transport})
-    lines = ["| ranks | transport | all-reduce of 576 floats (us) | gather of 24576 floats a rank to rank 0 (us) |",
-             "|--:|---|--:|--:|"]
-    lines += [f"| {r['ranks']} | {r['transport']} | {r['all_reduce_us']:.1f} | {r['gather_us']:.1f} |" for r in results]
+    lines = ["| ranks | transport | all-reduce of 576 floats (us) | gather of 24576 floats a rank to rank 0 (us) | "
+             "round trip of 576 floats, gloo send/recv (us) | round trip of 576 floats, link (us) |",
+             "|--:|---|--:|--:|--:|--:|"]
+    lines += [f"| {r['ranks']}{' (2 machines)' if args.two_machines else ''} | {r['transport']} | "
+              f"{r['all_reduce_us']:.1f} | {r['gather_us']:.1f} | {r['gloo_round_trip_us']:.1f} | "
+              f"{r['link_round_trip_us']:.1f} |" for r in results]
     print("\n".join(lines))
     return results
 
@@ -265,13 +280,28 @@ def collectives_worker(args) -> None:
     import torch.distributed as dist
 
     from accessory.parallel import ParallelContext
+    from accessory.parallel.links import HIDDEN, connect
 
     dist.init_process_group("gloo")
     ctx = ParallelContext.from_group(None)
     x, logits = torch.ones(1, 576), torch.ones(1, 49152 // 2)
+    rank, other = dist.get_rank(), 1 - min(dist.get_rank(), 1)
+    link = connect(dist.group.WORLD, [other] if rank < 2 else [], 60.0).get(other)
+
+    def gloo_round_trip():
+        if rank < 2:
+            (dist.send(x, other), dist.recv(x, other)) if rank == 0 else (dist.recv(x, other), dist.send(x, other))
+
+    def link_round_trip():
+        if rank < 2:
+            (link.send(x, HIDDEN), link.receive(x.shape, x.dtype, HIDDEN)) if rank == 0 else (
+                link.receive(x.shape, x.dtype, HIDDEN), link.send(x, HIDDEN))
+
     timed = {}
     for name, call, count in (("all_reduce_us", lambda: ctx.all_reduce(x), 2000),
-                              ("gather_us", lambda: ctx.gather_to_source(logits), 500)):
+                              ("gather_us", lambda: ctx.gather_to_source(logits), 500),
+                              ("gloo_round_trip_us", gloo_round_trip, 1000),
+                              ("link_round_trip_us", link_round_trip, 2000)):
         for _ in range(50):
             call()
         dist.barrier()
@@ -303,22 +333,22 @@ def two_machines(args) -> list[dict]:
     if 2 * per_machine * threads > os.cpu_count():
         sys.exit(f"2 machines x {per_machine} rank(s) x {threads} thread(s) need {2 * per_machine * threads} cores; "
                  f"this machine has {os.cpu_count()}")
-    jobs = [(model, dtype, mode, pp) for model in args.models for dtype in args.dtypes for mode in args.modes
-            for pp in [*args.pp, 0]]  # pp 0: the one-process peers
+    jobs = [(model, dtype, mode, pp, layers) for model in args.models for dtype in args.dtypes for mode in args.modes
+            for pp in [*args.pp, 0] for layers in (args.pp_layers if pp > 1 else ["even"])]  # pp 0: one process
     runs: dict[tuple, list[dict]] = {}
     try:
         link_machines()
         for model in args.models:
             model_folder(model, "float32"), model_folder(model, "int4")
         for round_ in range(args.rounds):
-            for model, dtype, mode, pp in jobs:
+            for model, dtype, mode, pp, layers in jobs:
                 print(f"round {round_ + 1}: {model} {dtype} {mode}, "
-                      + (f"2 machines x {per_machine} rank(s), --pp {pp}" if pp else "one process") + " ...",
-                      file=sys.stderr, flush=True)
-                for result in (two_machine_job(args, model, dtype, mode, per_machine, pp) if pp
+                      + (f"2 machines x {per_machine} rank(s), --pp {pp} --pp-layers {layers}" if pp else "one process")
+                      + " ...", file=sys.stderr, flush=True)
+                for result in (two_machine_decoding(args, model, dtype, mode, per_machine, pp, layers) if pp
                                else one_process_peers(args, model, dtype, mode, 2 * per_machine * threads)):
                     print(f"  batch {result['batch']}: {result['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
-                    key = (model, dtype, mode, pp, result["threads"], result["batch"])
+                    key = (model, dtype, mode, pp, layers, result["threads"], result["batch"])
                     runs.setdefault(key, []).append(result)
     finally:
         unlink_machines()
@@ -334,28 +364,35 @@ def one_process_peers(args, model: str, dtype: str, mode: str, all_threads: int)
             for result in run_job(args, worker, 1, threads, ("taskset", "-c", f"0-{threads - 1}"))]
 
 
-def two_machine_job(args, model: str, dtype: str, mode: str, per_machine: int, pp: int = 1) -> list[dict]:
+def two_machine_job(args, worker: list[str], per_machine: int) -> list[dict]:
+    """`worker` under `torchrun --nnodes=2`, `per_machine` ranks on each machine (namespace), each pinned."""
     port = 29400 + os.getpid() % 500
     cores = per_machine * args.threads_per_rank
     jobs, out = [], []
     for node, namespace in enumerate(NAMESPACES):
         torchrun_args = ("--nnodes=2", f"--node-rank={node}", f"--master-addr={ADDRESSES[0]}", f"--master-port={port}")
-        worker = ["--worker", "decode", "--models", model, "--dtypes", dtype, "--modes", mode, "--pp", str(pp),
-                  "--pp-layers", args.pp_layers]
         env = {"GLOO_SOCKET_IFNAME": f"veth{node}"}
         prefix = ("ip", "netns", "exec", namespace, "taskset", "-c", f"{node * cores}-{(node + 1) * cores - 1}")
-        jobs.append((worker, torchrun_args, env, prefix))
+        jobs.append((torchrun_args, env, prefix))
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(run_job, args, worker, per_machine, args.threads_per_rank, prefix, env, torchrun_args)
-                   for worker, torchrun_args, env, prefix in jobs]
+                   for torchrun_args, env, prefix in jobs]
         for future in futures:
             out += future.result()
+    return out
+
+
+def two_machine_decoding(args, model: str, dtype: str, mode: str, per_machine: int, pp: int,
+                         layers: str) -> list[dict]:
+    worker = ["--worker", "decode", "--models", model, "--dtypes", dtype, "--modes", mode, "--pp", str(pp),
+              "--pp-layers", layers]
+    out = two_machine_job(args, worker, per_machine)
     for r in out:
         r["ranks_note"] = f"2 machines x {per_machine}" + (f", --pp {pp}" if pp > 1 else ", tensor-parallel")
-        if pp > 1 and args.pp_layers != "even":
-            r["ranks_note"] += f" --pp-layers {args.pp_layers}"
+        if pp > 1 and layers != "even":
+            r["ranks_note"] += f" --pp-layers {layers}"
     return out
 
 

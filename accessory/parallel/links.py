@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from accessory.errors import CollectivesOutOfStep
+from accessory.parallel.shared_memory import ranks_and_cores
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,11 @@ HELLO = struct.Struct("<16si")  # the listener's token and the connecting rank, 
 HIDDEN, SUM, GATHER, BROADCAST = 1, 7, 8, 9
 KINDS = {HIDDEN: "hidden states", SUM: "a sum", GATHER: "a gather", BROADCAST: "a broadcast"}
 SIOCGIFADDR = 0x8915  # ioctl: an interface's IPv4 address
+# How long a receive polls before it sleeps, on a rank with a core of its own: a core that sleeps between a decode
+# step's messages costs that step its wake-up and its cold caches (a token at `--pp 2`, batch 1: 11.31 ms polling
+# against 11.92 sleeping at once, 7 pairs on average: benchmarks/README.md, "Links"). Where ranks outnumber cores a
+# poller would take the core of the rank it waits for, so it sleeps at once.
+POLL_S = 0.02
 _open: list["Link"] = []  # every link this process made, closed when it leaves the process group
 
 
@@ -49,8 +55,8 @@ class LinkClosed(RuntimeError):
 class Link:
     """One TCP connection to one peer rank (`peer`: its global rank, for messages)."""
 
-    def __init__(self, sock: socket.socket, peer: int):
-        self.sock, self.peer = sock, peer
+    def __init__(self, sock: socket.socket, peer: int, poll_s: float = 0.0):
+        self.sock, self.peer, self.poll_s = sock, peer, poll_s
         self._pending: deque[list[bytes]] = deque()  # frames the kernel had no room for yet: `_drain` sends them
         self._changed = threading.Condition()
         self._failure: Optional[BaseException] = None
@@ -109,15 +115,18 @@ class Link:
 
     def _read(self, views: list[memoryview], timeout_s: Optional[float]) -> None:
         """Fill `views` from the connection, in order."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        now = time.monotonic()
+        deadline, polled = None if timeout_s is None else now + timeout_s, now + self.poll_s
         views = [v.cast("B") for v in views if v.nbytes]
         while views:
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0 or not select.select([self.sock], [], [], left)[0]:
-                    raise TimeoutError(f"rank {self.peer} sent nothing for {timeout_s:g} s")
             try:
-                got = self.sock.recvmsg_into(views)[0]
+                got = self.sock.recvmsg_into(views, 0, socket.MSG_DONTWAIT)[0]
+            except BlockingIOError:
+                if time.monotonic() >= polled:  # sleep until the peer sends
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if (left is not None and left <= 0) or not select.select([self.sock], [], [], left)[0]:
+                        raise TimeoutError(f"rank {self.peer} sent nothing for {timeout_s:g} s") from None
+                continue
             except OSError as e:
                 raise self._closed(e) from None
             if got == 0:
@@ -244,7 +253,8 @@ def _accept(listener: socket.socket, token: bytes, expected: set[int], timeout_s
 def _linked(sock: socket.socket, group: dist.ProcessGroup, peer: int) -> Link:
     sock.settimeout(None)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a step's message goes now, not with the next
-    return Link(sock, dist.get_global_rank(group, peer))
+    ranks, cores = ranks_and_cores()
+    return Link(sock, dist.get_global_rank(group, peer), POLL_S if ranks <= cores else 0.0)
 
 
 def _read_exactly(sock: socket.socket, n: int) -> bytes:

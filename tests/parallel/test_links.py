@@ -1,6 +1,6 @@
 """The TCP links between ranks (accessory/parallel/links.py): messages arrive whole and in order, a send never waits
-for the reader, a message of another kind or size says the ranks are out of step, a peer that left is named, and a
-connection without this job's token is dropped."""
+for the reader, a receive that polls or sleeps takes what comes, a message of another kind or size says the ranks
+are out of step, a peer that left is named, and a connection without this job's token is dropped."""
 from __future__ import annotations
 
 import socket
@@ -15,10 +15,11 @@ from accessory.parallel.links import BROADCAST, HELLO, HIDDEN, SUM, Link, LinkCl
 from distributed import run_ranks
 
 
-@pytest.fixture
-def pair():
+@pytest.fixture(params=[0.0, 0.05], ids=["sleeping", "polling"])
+def pair(request):
+    """Two linked ends; a receive sleeps at once, or polls first (a rank with a core of its own)."""
     a, b = socket.socketpair()
-    first, second = Link(a, 1), Link(b, 0)
+    first, second = Link(a, 1, request.param), Link(b, 0, request.param)
     yield first, second
     first.close(), second.close()
 
@@ -61,6 +62,11 @@ def test_a_message_of_another_kind_or_size_says_the_ranks_are_out_of_step(pair):
     pair[0].send(torch.zeros(3), SUM)
     with pytest.raises(CollectivesOutOfStep, match="sent a sum of 12 bytes where this rank waited for a sum of 8"):
         pair[1].receive((2,), torch.float32, SUM)
+
+
+def test_a_receive_takes_a_message_sent_while_it_waits(pair):
+    threading.Timer(0.1, pair[0].send, (torch.ones(3), SUM)).start()
+    assert torch.equal(pair[1].receive((3,), torch.float32, SUM, timeout_s=10), torch.ones(3))
 
 
 def test_a_receive_with_a_timeout_raises_when_nothing_comes(pair):

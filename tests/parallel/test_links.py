@@ -3,6 +3,7 @@ for the reader, a receive that polls or sleeps takes what comes, a message of an
 are out of step, a peer that left is named, and a connection without this job's token is dropped."""
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from accessory.errors import CollectivesOutOfStep
-from accessory.parallel.links import BROADCAST, HELLO, HIDDEN, SUM, Link, LinkClosed, _accept
+from accessory.parallel.links import BROADCAST, HELLO, HIDDEN, POLL_S, SUM, Link, LinkClosed, _accept
 from distributed import run_ranks
 
 
@@ -117,15 +118,19 @@ def _linked_ranks(token_size: int) -> list:
     else:
         links[0].send(torch.full((token_size,), float(rank)), SUM)
         got = links[0].receive((2,), torch.float32, BROADCAST).tolist()
-    peers = {r: link.peer for r, link in links.items()}
+    peers = {r: (link.peer, link.poll_s) for r, link in links.items()}
     close_links()
     dist.barrier()
     return got, peers
 
 
-def test_ranks_link_through_the_rendezvous_and_exchange_messages():
+@pytest.mark.parametrize("on_this_machine", [3, 1])
+def test_ranks_link_through_the_rendezvous_and_exchange_messages(monkeypatch, on_this_machine):
     """Three gloo ranks: the source links to each other rank, each other rank to the source (the star the engine's
-    messages take across machines), each link naming its peer's global rank."""
+    messages take across machines), each link naming its peer's global rank. A receive polls only where the
+    machine's ranks (LOCAL_WORLD_SIZE) have a core each."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(on_this_machine))
+    poll = POLL_S if on_this_machine <= len(os.sched_getaffinity(0)) else 0.0
     results = run_ranks(3, _linked_ranks, 4)
-    assert results[0] == ([[1.0] * 4, [2.0] * 4], {1: 1, 2: 2})
-    assert results[1] == ([10.0, 10.0], {0: 0}) and results[2] == ([20.0, 20.0], {0: 0})
+    assert results[0] == ([[1.0] * 4, [2.0] * 4], {1: (1, poll), 2: (2, poll)})
+    assert results[1] == ([10.0, 10.0], {0: (0, poll)}) and results[2] == ([20.0, 20.0], {0: (0, poll)})

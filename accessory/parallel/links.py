@@ -61,7 +61,6 @@ class Link:
         self._changed = threading.Condition()
         self._failure: Optional[BaseException] = None
         self._drainer: Optional[threading.Thread] = None
-        self.bytes_sent = 0
 
     def send(self, x: torch.Tensor, tag: int) -> None:
         """Send x's bytes as a message of kind `tag`, without waiting for the peer to read them (what the kernel
@@ -69,7 +68,6 @@ class Link:
         frame = [FRAME.pack(tag, x.nbytes), _bytes_of(x)]
         with self._changed:
             self._raise_failure()
-            self.bytes_sent += FRAME.size + x.nbytes
             if not self._pending:
                 try:
                     sent = self.sock.sendmsg(frame, (), socket.MSG_DONTWAIT)
@@ -239,7 +237,7 @@ def _accept(listener: socket.socket, token: bytes, expected: set[int], timeout_s
                                f"{dist.get_rank() if dist.is_initialized() else 0} within {timeout_s:g} s") from None
         sock.settimeout(min(5.0, timeout_s))
         try:
-            hello = _read_exactly(sock, HELLO.size)
+            hello = sock.recv(HELLO.size, socket.MSG_WAITALL)
         except OSError:
             hello = b""
         their_token, peer = HELLO.unpack(hello) if len(hello) == HELLO.size else (b"", -1)
@@ -255,16 +253,6 @@ def _linked(sock: socket.socket, group: dist.ProcessGroup, peer: int) -> Link:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a step's message goes now, not with the next
     ranks, cores = ranks_and_cores()
     return Link(sock, dist.get_global_rank(group, peer), POLL_S if ranks <= cores else 0.0)
-
-
-def _read_exactly(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            break
-        data += chunk
-    return data
 
 
 def _kind(tag: int) -> str:

@@ -145,7 +145,7 @@ class VocabSlice:
         if short:  # a slice smaller than k or top (its tail past the vocabulary): -inf, PAD_ID
             pad = lambda t: torch.nn.functional.pad(t, (0, short), value=float("-inf"))  # noqa: E731
             z, adjusted = pad(z), pad(adjusted)
-        values, index = adjusted.max(dim=-1, keepdim=True) if k == 1 else adjusted.topk(k, dim=-1)
+        values, index = row_max(adjusted) if k == 1 else adjusted.topk(k, dim=-1)
         ids = (index + self.tokens.start).float()
         if short:
             ids = ids.masked_fill(index >= len(self.tokens), PAD_ID)
@@ -219,11 +219,26 @@ def largest_first(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return by_id.gather(-1, values.gather(-1, by_id).argsort(dim=-1, descending=True, stable=True))
 
 
+def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x.max(dim=-1, keepdim=True)`: the largest value of each row and its first index. torch's max with indices
+    does not vectorize on the CPU (0.17 ms for 4 rows of 49152 logits, 14x its `amax`), so a long row is cut into
+    chunks: the first chunk holding the largest, then the first index within it."""
+    n = x.shape[-1]
+    width = min(256, n & -n)  # chunks of a power of two that divides n
+    if n < 16384 or width < 32:
+        return x.max(dim=-1, keepdim=True)
+    chunks = x.unflatten(-1, (n // width, width))
+    best = chunks.amax(dim=-1).argmax(dim=-1, keepdim=True)  # NaN counts as largest, as in max
+    chunk = chunks.gather(-2, best[..., None].expand(*best.shape, width))[..., 0, :]
+    values, within = chunk.max(dim=-1, keepdim=True)
+    return values, best * width + within
+
+
 def slice_argmax(ctx, local: torch.Tensor, tokens: range) -> list[int]:
     """Collective: the argmax over the whole vocabulary of each row's logits, of which this rank holds `local`
     (rows, its padded slice) for `tokens`; the same on every rank (ties to the lowest id)."""
     mine = local[:, :len(tokens)].float() if len(tokens) else torch.full((len(local), 1), float("-inf"))
-    values, index = mine.max(dim=-1)
+    values, index = (part[..., 0] for part in row_max(mine))
     best = ctx.all_gather(torch.stack([values, (index + tokens.start).float()], dim=-1)[None], dim=0)
     rank = best[..., 0].max(dim=0).indices  # the first rank holding a row's largest: its lowest id
     return best[..., 1].gather(0, rank[None])[0].long().tolist()

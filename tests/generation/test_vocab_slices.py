@@ -164,6 +164,24 @@ def test_a_batch_that_keeps_few_tokens_sends_one_small_round():
     assert sizes == [(3, 1, Layout(FIRST_CANDIDATES, 20, raw=True, lse=True).width)]
 
 
+@pytest.mark.parametrize("size", [49152, 151936, 32064, 50257, 64])
+def test_row_max_is_torch_max(size):
+    """The chunked greedy pick: the same values and first indices as torch's max, with ties (within and across
+    chunks), rows of -inf and a NaN (the largest, as in max); a vocabulary of an odd size falls back to max."""
+    from accessory.generation.vocab_slices import row_max
+
+    generator = torch.Generator().manual_seed(size)
+    for trial in range(20):
+        x = torch.randint(-3, 3, (3, 2, size), generator=generator).float()
+        x[0, 0] = float("-inf")
+        if trial % 4 == 0:
+            x[2, 1, trial * 7 % size] = float("nan")
+        for view in (x, x[..., :size // 2 * 2][..., ::2]):
+            expected, got = view.max(dim=-1, keepdim=True), row_max(view)
+            assert torch.equal(got[1], expected.indices)
+            assert torch.allclose(got[0], expected.values, equal_nan=True)
+
+
 def test_a_sampled_row_draws_from_its_kept_tokens_in_proportion():
     """20000 draws of one top-k / min-p row against the softmax over the tokens they keep (chi-square, alpha 1e-4)."""
     from accessory.generation.sampling import SamplingParams, sample

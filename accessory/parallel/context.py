@@ -276,7 +276,8 @@ class ParallelContext:
             parts[self.rank] = x
             return funcol.all_reduce(torch.cat(parts, dim=dim), "sum", self.group)
         if self.star and x.nbytes <= STAR_BYTES:
-            return torch.cat(self._star(x, torch.cat, GATHER).chunk(self.world_size), dim=dim)
+            stacked = (self.world_size * x.shape[0], *x.shape[1:])
+            return torch.cat(self._star(x, torch.cat, stacked, GATHER).chunk(self.world_size), dim=dim)
         # all_gather_tensor, not all_gather_single: torch 2.11 (CUDA 13 wheels) has only the former
         gathered = funcol.all_gather_tensor(x.contiguous(), 0, self.group)  # the ranks' x stacked on dim 0
         return torch.cat(gathered.chunk(self.world_size, dim=0), dim=dim)
@@ -321,7 +322,7 @@ class ParallelContext:
                     raise
                 raise TimeoutError(f"the other ranks did not join within {self.timeout_s:g} s") from None
         if self.world_size > 1 and self.star and x.nbytes <= STAR_BYTES:
-            return x.copy_(self._star(x, lambda parts: torch.stack(parts).sum(0), SUM, self.timeout_s))
+            return x.copy_(self._star(x, lambda parts: torch.stack(parts).sum(0), x.shape, SUM, self.timeout_s))
         if self.world_size > 1:
             work = dist.all_reduce(x, group=self.group, async_op=True)
             try:
@@ -339,7 +340,7 @@ class ParallelContext:
         sum cannot start ahead (the source rank, shared memory, a large x): call sum_in_step then."""
         if self.is_source or not self.star or x.nbytes > STAR_BYTES or x.device != self.device:
             return None
-        return self._star_started(x, lambda parts: torch.stack(parts).sum(0), SUM, self.timeout_s)
+        return self._star_started(x, x.shape, SUM, self.timeout_s)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank ends with the source rank's `x` (in place)."""
@@ -366,14 +367,14 @@ class ParallelContext:
             dist.broadcast_object_list(box, src=self.src, group=self.group, device=self.device)
         return box[0]
 
-    def _star(self, x: torch.Tensor, combine: Callable[[list], torch.Tensor], tag: int,
+    def _star(self, x: torch.Tensor, combine: Callable[[list], torch.Tensor], shape: tuple[int, ...], tag: int,
               timeout_s: Optional[float] = None) -> torch.Tensor:
-        """combine(every rank's x, in rank order) on every rank, through the source rank: each other rank sends it x
-        and receives the result, as messages of `tag`. `timeout_s`: the longest to wait for a message
-        (TimeoutError)."""
+        """combine(every rank's x, in rank order), of `shape`, on every rank, through the source rank: each other
+        rank sends it x and receives the result, as messages of `tag`. `timeout_s`: the longest to wait for a
+        message (TimeoutError)."""
         x = x.contiguous()
         if not self.is_source:
-            return self._star_started(x, combine, tag, timeout_s)()
+            return self._star_started(x, shape, tag, timeout_s)()
         with _peer_failures_named():
             parts = [x] + [self.links[rank].receive(x.shape, x.dtype, tag, timeout_s)
                            for rank in range(1, self.world_size)]
@@ -382,12 +383,12 @@ class ParallelContext:
                 self.links[rank].send(result, tag)
             return result
 
-    def _star_started(self, x: torch.Tensor, combine: Callable[[list], torch.Tensor], tag: int,
+    def _star_started(self, x: torch.Tensor, shape: tuple[int, ...], tag: int,
                       timeout_s: Optional[float]) -> Callable[[], torch.Tensor]:
-        """A rank other than the source's side of `_star`, started: x sent; what it returns waits for the result."""
+        """A rank other than the source's side of `_star`, started: x sent; what it returns waits for the result
+        (of `shape`)."""
         with _peer_failures_named():
             self.links[0].send(x, tag)
-        shape = combine([x] * self.world_size).shape
 
         def finish() -> torch.Tensor:
             with _peer_failures_named():

@@ -9,7 +9,7 @@ output head. Three ways to split, as `--pp-layers` takes them:
   pace;
 - explicit: a count per stage, "12,18";
 - auto: by each stage's memory budget, counting what the first and last stages hold besides their layers
-  (`by_memory`).
+  (`least_full_split`).
 """
 from __future__ import annotations
 
@@ -42,11 +42,12 @@ def explicit_split(n_layers: int, stages: int, text: str) -> tuple[range, ...]:
     return _ranges(counts)
 
 
-def by_memory(layer_bytes: Sequence[int], first_bytes: int, last_bytes: int,
-              budgets: Sequence[int]) -> tuple[range, ...]:
-    """`--pp-layers auto`: the contiguous runs of layers whose fullest stage is least full, a stage's fullness being
-    its bytes (its layers', plus `first_bytes` on the first stage and `last_bytes` on the last) over its budget (the
-    bytes free for it); every stage at least one layer. Whether the split fits the budgets is `fits`'s question."""
+def least_full_split(layer_bytes: Sequence[int], first_bytes: int, last_bytes: int,
+                     budgets: Sequence[int]) -> tuple[range, ...]:
+    """The contiguous runs of layers whose fullest stage is least full, a stage's fullness being what it holds (its
+    layers', plus `first_bytes` on the first stage and `last_bytes` on the last) over its budget; every stage at
+    least one layer. `--pp-layers auto`: bytes over the bytes free for each stage (whether the split fits them is
+    `fits`'s question); `balanced`: a token's work over equal budgets."""
     stages, n_layers = len(budgets), len(layer_bytes)
     _check_stages(n_layers, stages)
     if min(budgets) <= 0:

@@ -21,7 +21,7 @@ from accessory.network.kv_caches import layer_columns
 from accessory.parallel import ParallelContext, head_placement
 from accessory.parallel.layers import ParallelEmbedding, ParallelWeight
 from accessory.parallel.pipeline import Stage
-from accessory.parallel.stages import by_memory, even_split, explicit_split, fits, stage_bytes
+from accessory.parallel.stages import least_full_split, even_split, explicit_split, fits, stage_bytes
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +72,9 @@ def layer_split(n_layers: int, stages: int, how: Optional[str], sizes: Callable[
         return even_split(n_layers, stages)
     if how == BALANCED:  # the least work on the busiest stage: with micro-batches in flight, it sets the pace
         found = sizes()
-        return by_memory(found.layer_work, 0, found.head_work, [1] * stages)
+        return least_full_split(found.layer_work, 0, found.head_work, [1] * stages)
     if how == AUTO:
-        split = by_memory((found := sizes()).layers, found.first, found.last, (room := budgets()))
+        split = least_full_split((found := sizes()).layers, found.first, found.last, (room := budgets()))
         if not fits(split, found.layers, found.first, found.last, room):
             log.warning("--pp-layers auto: no split of the layers fits every stage's memory budget (%s); the "
                         "load-time check will say which stage falls short", _gib_list(room))

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from accessory.errors import ConfigError
-from accessory.parallel.stages import by_memory, even_split, explicit_split, fits, stage_bytes
+from accessory.parallel.stages import least_full_split, even_split, explicit_split, fits, stage_bytes
 
 
 def counts(split) -> list[int]:
@@ -74,7 +74,7 @@ def test_a_split_by_memory_leaves_its_fullest_stage_least_full_of_every_split():
         layer_bytes = [rng.randint(1, 100) for _ in range(n_layers)]
         first, last = rng.randint(0, 300), rng.randint(0, 300)
         budgets = [rng.randint(50, 1000) for _ in range(stages)]
-        split = by_memory(layer_bytes, first, last, budgets)
+        split = least_full_split(layer_bytes, first, last, budgets)
         assert [i for layers in split for i in layers] == list(range(n_layers)) and min(counts(split)) >= 1
         held = stage_bytes(split, layer_bytes, first, last)
         assert max(h / b for h, b in zip(held, budgets)) == pytest.approx(
@@ -83,18 +83,18 @@ def test_a_split_by_memory_leaves_its_fullest_stage_least_full_of_every_split():
 
 def test_a_split_by_memory_follows_the_budgets_and_what_the_ends_hold():
     layers = [10] * 30
-    assert counts(by_memory(layers, 0, 0, [1000, 1000])) == [15, 15]
-    assert counts(by_memory(layers, 0, 0, [1000, 2000])) == [10, 20]
-    assert counts(by_memory(layers, 100, 0, [1000, 1000])) == [10, 20]  # the embedding takes 10 layers' room
-    assert counts(by_memory(layers, 0, 100, [1000, 1000])) == [20, 10]  # the head too
+    assert counts(least_full_split(layers, 0, 0, [1000, 1000])) == [15, 15]
+    assert counts(least_full_split(layers, 0, 0, [1000, 2000])) == [10, 20]
+    assert counts(least_full_split(layers, 100, 0, [1000, 1000])) == [10, 20]  # the embedding takes 10 layers' room
+    assert counts(least_full_split(layers, 0, 100, [1000, 1000])) == [20, 10]  # the head too
 
 
 def test_whether_a_split_fits_its_budgets():
-    split = by_memory([10] * 4, 5, 5, [30, 30])
+    split = least_full_split([10] * 4, 5, 5, [30, 30])
     assert stage_bytes(split, [10] * 4, 5, 5) == [25, 25]
     assert fits(split, [10] * 4, 5, 5, [30, 30]) and not fits(split, [10] * 4, 5, 5, [30, 24])
     with pytest.raises(ConfigError, match=r"every stage needs a memory budget above 0 bytes, got \[30, 0\]"):
-        by_memory([10] * 4, 5, 5, [30, 0])
+        least_full_split([10] * 4, 5, 5, [30, 0])
 
 
 def test_a_balanced_split_gives_the_head_s_stage_fewer_layers(smollm2_checkpoint, capsys):

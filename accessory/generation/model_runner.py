@@ -38,6 +38,9 @@ from accessory.network.vision import image_key
 
 MIN_COLUMNS = 256  # the smallest KV-cache and attention width: widths are powers of two from here
 PREFILL_TOKENS = 4096  # prompt tokens prefilled in one forward pass at most (more run in several)
+# ... under a pipeline: a long prompt passes through the stages in pieces this long, so that while a later stage
+# computes one piece, the first computes the next
+STAGE_PREFILL_TOKENS = 256
 
 
 class Stepped(NamedTuple):
@@ -264,13 +267,17 @@ class ModelRunner:
         self.cached += held
         pasts = [plan.length if plan else 0 for plan in plans]
         order, logits = [], []
+        budget = PREFILL_TOKENS if self.model.stage.count == 1 else STAGE_PREFILL_TOKENS
         for wave in waves(plans):  # a prompt copying from one admitted with it waits for that one's prefill
             self._copy_prefixes([(first + i, plans[i]) for i in wave if plans[i] is not None])
-            for group in _packed_groups([lengths[i] - pasts[i] for i in wave], PREFILL_TOKENS):
-                members = [wave[j] for j in group]
-                logits.append(self._prefill_packed([(prompts[i], first + i, pasts[i], images[i], adapters[i])
-                                                    for i in members]))
-                order += members
+            spans = [(pasts[i], lengths[i]) for i in wave]
+            uncut = {j for j, i in enumerate(wave) if images[i] is not None}  # an image's positions go together
+            for pieces in _passes(spans, budget, uncut):
+                out = self._prefill_packed([(prompts[wave[j]][:end], first + wave[j], start, images[wave[j]],
+                                             adapters[wave[j]]) for j, start, end in pieces])
+                ends = [k for k, (j, _, end) in enumerate(pieces) if end == lengths[wave[j]]]
+                logits.append(out[ends])
+                order += [wave[pieces[k][0]] for k in ends]
         self.engine.stats.prefilled_tokens += sum(lengths) - sum(pasts)
         self.engine.stats.reused_tokens += sum(pasts)
         logits = torch.cat(logits)
@@ -332,13 +339,21 @@ def _bucket(columns: int, limit: int) -> int:
     return min(max(MIN_COLUMNS, 1 << (columns - 1).bit_length()), limit)
 
 
-def _packed_groups(lengths: list[int], budget: int) -> list[list[int]]:
-    """Consecutive indices of `lengths` in groups of at most `budget` tokens (a longer prompt alone)."""
-    groups, current, total = [], [], 0
-    for i, n in enumerate(lengths):
-        if current and total + n > budget:
-            groups.append(current)
-            current, total = [], 0
-        current.append(i)
-        total += n
-    return groups + [current]
+def _passes(spans: list[tuple[int, int]], budget: int, uncut: set[int]) -> list[list[tuple[int, int, int]]]:
+    """The prompts' spans to prefill (columns start..end - 1 of prompt i), packed in order into forward passes of
+    at most `budget` tokens: each pass a list of pieces (i, start, end). A prompt that does not fit in what is left
+    of a pass is cut, its next piece first in the next pass (attending to the columns its earlier pieces wrote),
+    except a prompt in `uncut`, which starts a pass of its own if it does not fit (and may exceed the budget)."""
+    passes, current, room = [], [], budget
+    for i, (start, end) in enumerate(spans):
+        while start < end:
+            if i in uncut and current and end - start > room:
+                passes.append(current)
+                current, room = [], budget
+            take = end - start if i in uncut else min(end - start, room)
+            current.append((i, start, start + take))
+            start, room = start + take, room - take
+            if room <= 0:
+                passes.append(current)
+                current, room = [], budget
+    return passes + ([current] if current else [])

@@ -80,13 +80,15 @@ def assert_stages_hold_their_part(held: list[set[str]], whole: set[str], stages:
         assert indices == set(layers)
 
 
-@pytest.mark.parametrize("ranks, options, split", [
-    (2, {"pipeline_parallel_size": 2}, [range(0, 2), range(2, 4)]),
-    (3, {"pipeline_parallel_size": 3, "pipeline_layers": "1,2,1"}, [range(0, 1), range(1, 3), range(3, 4)]),
-    (4, {"pipeline_parallel_size": 2, "pipeline_layers": "3,1"}, [range(0, 3)] * 2 + [range(3, 4)] * 2),
-], ids=["pp2", "pp3-uneven", "pp2-x-tp2"])
-def test_stages_equal_one_process(tiny_models, one_process, ranks, options, split):
-    results = run_ranks(ranks, _every_family_with, tiny_models, options)
+@pytest.mark.parametrize("ranks, options, split, pieces", [
+    (2, {"pipeline_parallel_size": 2}, [range(0, 2), range(2, 4)], None),
+    (3, {"pipeline_parallel_size": 3, "pipeline_layers": "1,2,1"}, [range(0, 1), range(1, 3), range(3, 4)], 16),
+    (4, {"pipeline_parallel_size": 2, "pipeline_layers": "3,1"}, [range(0, 3)] * 2 + [range(3, 4)] * 2, 16),
+], ids=["pp2", "pp3-uneven-pieces", "pp2-x-tp2-pieces"])
+def test_stages_equal_one_process(tiny_models, one_process, ranks, options, split, pieces):
+    """`pieces`: the prompts prefilled through the stages in pieces of so many tokens (STAGE_PREFILL_TOKENS), the
+    41-token one cut in three, the windowed family's pieces attending across the window into earlier ones."""
+    results = run_ranks(ranks, _every_family_with, tiny_models, options, pieces)
     for rank, result in enumerate(results):
         assert not isinstance(result, Exception), result.rank_traceback
         for family in FAMILIES:
@@ -99,8 +101,23 @@ def test_stages_equal_one_process(tiny_models, one_process, ranks, options, spli
     assert "tok_embeddings.weight" not in results[-1]["qwen3"][1] and "output.weight" not in results[0]["qwen3"][1]
 
 
-def _every_family_with(folders: dict, options: dict) -> dict:
+def _every_family_with(folders: dict, options: dict, pieces: int = None) -> dict:
+    if pieces is not None:
+        from accessory.generation import model_runner
+
+        model_runner.STAGE_PREFILL_TOKENS = pieces
     return every_family(folders, **options)
+
+
+def test_prompts_are_packed_into_passes_and_cut_where_a_pass_is_full():
+    """`_passes`: spans (start, end) packed in order; a prompt cut where a pass is full goes on first in the next
+    (from its `past` on); one with an image starts a pass of its own instead, even past the budget."""
+    from accessory.generation.model_runner import _passes
+
+    assert _passes([(0, 6), (0, 41)], 16, set()) == [[(0, 0, 6), (1, 0, 10)], [(1, 10, 26)], [(1, 26, 41)]]
+    assert _passes([(3, 10), (0, 9)], 16, set()) == [[(0, 3, 10), (1, 0, 9)]]  # 16 tokens: one full pass
+    assert _passes([(0, 10), (0, 30), (0, 4)], 16, {1}) == [[(0, 0, 10)], [(1, 0, 30)], [(2, 0, 4)]]
+    assert _passes([(0, 5)], 4096, set()) == [[(0, 0, 5)]]
 
 
 def test_compiled_stages_equal_one_process(tiny_models, one_process):

@@ -28,6 +28,13 @@ limited with `tc qdisc ... tbf rate 1gbit`; `torchrun --nnodes=2` with `--ranks`
 pinned to cores of their own (`taskset`), as two machines would not share a core, and the one-process peers pinned
 alike; the namespaces are removed afterwards. `--pp-layers`: the stages' splits, each in turn (`even`, or counts:
 `even 19,11`).
+
+`--prompt-tokens N`: each decoding job also times one prompt of N tokens (README.md's text) to its first token, the
+prefix cache off, the median of `--repeats`; under a pipeline both as it runs (the prompt through the stages in
+pieces) and with the whole prompt in one pass through each stage, alternately in the same job.
+
+    python benchmarks/parallel.py --two-machines --ranks 1 --pp 2 --modes compiled --dtypes int4 --batch-sizes 1 \
+        --prompt-tokens 1500
 """
 from __future__ import annotations
 
@@ -63,6 +70,7 @@ def main() -> None:
                    "(1: the ranks are tensor-parallel across the link; 2: a stage on each machine)")
     p.add_argument("--pp-layers", nargs="+", default=["even"], help="--two-machines: how the layers split over the "
                    "stages, each in turn")
+    p.add_argument("--prompt-tokens", type=int, default=0, help="also time one prompt this long to its first token")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -99,10 +107,36 @@ def decoding(args) -> list[dict]:
                                          mode], ranks, threads):
                 print(f"  batch {result['batch']}: {result['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
                 runs.setdefault((model, dtype, mode, ranks, threads, result["batch"]), []).append(result)
-    results = [{**each[-1], "tok_s": statistics.median(r["tok_s"] for r in each),
-                "rounds_tok_s": [r["tok_s"] for r in each]} for each in runs.values()]
+    results = [over_rounds(each) for each in runs.values()]
     print(decode_table(results))
+    if args.prompt_tokens:
+        print(first_token_table(results))
     return results
+
+
+def over_rounds(each: list[dict]) -> dict:
+    """One configuration's results of every round: the last, with the medians of its timings over the rounds."""
+    timed = [key for key in ("tok_s", "first_token_s", "first_token_whole_s") if key in each[-1]]
+    return {**each[-1], **{key: statistics.median(r[key] for r in each) for key in timed},
+            "rounds_tok_s": [r["tok_s"] for r in each]}
+
+
+def first_token_table(results: list[dict]) -> str:
+    """Time to the first token of `--prompt-tokens`, once a configuration (every batch size's job measures it)."""
+    lines = ["| model | dtype | mode | ranks x threads | prompt tokens | first token (s) | x 1 rank, 1 thread "
+             "| whole prompt a pass (s) |", "|---|---|---|---|--:|--:|--:|--:|"]
+    firsts = {}
+    for r in results:
+        firsts.setdefault((r["model"], r["dtype"], r["mode"], r.get("ranks_note", r["ranks"]), r["threads"]), r)
+    for r in firsts.values():
+        one = next((o for o in firsts.values() if (o["model"], o["dtype"], o["mode"], o["ranks"], o["threads"]) ==
+                    (r["model"], r["dtype"], r["mode"], 1, 1)), None)
+        where = f"{r['ranks_note']} x {r['threads']}" if "ranks_note" in r else f"{r['ranks']} x {r['threads']}"
+        whole = f"{r['first_token_whole_s']:.2f}" if "first_token_whole_s" in r else "-"
+        lines.append(f"| {r['model']} | {r['dtype']} | {r['mode']} | {where} | {r['prompt_tokens']} | "
+                     f"{r['first_token_s']:.2f} | {one['first_token_s'] / r['first_token_s'] if one else 0:.2f} | "
+                     f"{whole} |")
+    return "\n".join(lines)
 
 
 def decode_table(results: list[dict]) -> str:
@@ -128,7 +162,8 @@ def run_job(args, worker_args: list[str], ranks: int, threads: int, prefix: tupl
     """One job: a plain process at 1 rank (not across machines), else torchrun with `ranks` processes, each command
     after `prefix` (a namespace, a core set); the results rank 0 printed."""
     script = [str(Path(__file__).resolve()), *worker_args, "--batch-sizes", *map(str, args.batch_sizes),
-              "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
+              "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--prompt-tokens",
+              str(args.prompt_tokens)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", **(env_extra or {})}
     if args.transport == "gloo":
         env["ACCESSORY_TRANSPORT"] = "gloo"
@@ -153,10 +188,12 @@ def decode_worker(args) -> None:
     model_name, dtype, mode = args.models[0], args.dtypes[0], args.modes[0]
     folder = model_folder(model_name, dtype)
     quant = "int4" if dtype == "int4" and folder == model_folder(model_name, "float32") else None
-    model = MetaModel.from_pretrained(folder, quant=quant, compile=mode == "compiled", max_seq_len=1024,
+    model = MetaModel.from_pretrained(folder, quant=quant, compile=mode == "compiled",
+                                      max_seq_len=max(1024, args.prompt_tokens + 64),
                                       max_batch_size=max(args.batch_sizes), pipeline_parallel_size=args.pp[0],
                                       pipeline_layers=args.pp_layers[0])
     model.stop_ids = set()
+    first_token = first_token_s(model, args.prompt_tokens, args.repeats) if args.prompt_tokens else {}
     for batch in args.batch_sizes:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
         model.generate(prompts, max_gen_len=args.new_tokens)  # warm-up, compilation
@@ -181,11 +218,38 @@ def decode_worker(args) -> None:
                       "transport": "shared memory" if model.ctx.local is not None else "gloo" if dist.is_initialized()
                       else "-", "tok_s": tokens / statistics.median(seconds), "all_seconds": seconds,
                       "bytes_per_token_rank": (statistics.median(sent) - prefill_sent) / (tokens - batch),
-                      "waiting_share_by_rank": [round(w, 3) for w in waiting]}
+                      "waiting_share_by_rank": [round(w, 3) for w in waiting], **first_token}
             print(MARK + json.dumps(result), flush=True)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def first_token_s(model, tokens: int, repeats: int) -> dict:
+    """Seconds from the call to the first token of one prompt of `tokens` tokens, the median of `repeats` (the
+    prefix cache off); under a pipeline also with the whole prompt in one pass through each stage, alternately."""
+    import torch.distributed as dist
+
+    from accessory.generation import model_runner
+
+    ids = model.tokenizer.encode((BENCH_DIR.parent / "README.md").read_text() * 4, True, False)
+    prompt = model.tokenizer.decode(ids[1:tokens])
+    engine, model.engine = model.engine, model.engine.configured(prefix_cache=False)
+    model.generate([prompt], max_gen_len=1)  # warm-up
+    pieces = model_runner.STAGE_PREFILL_TOKENS
+    ways = {"first_token_s": pieces, **({"first_token_whole_s": tokens + 1} if model.llma.stage.count > 1 else {})}
+    times = {way: [] for way in ways}
+    for _ in range(repeats):
+        for way, size in ways.items():
+            model_runner.STAGE_PREFILL_TOKENS = size
+            if dist.is_initialized():
+                dist.barrier()
+            start = time.perf_counter()
+            model.generate([prompt], max_gen_len=1)
+            times[way].append(time.perf_counter() - start)
+    model_runner.STAGE_PREFILL_TOKENS, model.engine = pieces, engine
+    return {"prompt_tokens": len(model.tokenizer.encode(prompt, True, False)),
+            **{way: statistics.median(each) for way, each in times.items()}}
 
 
 def waited_s(ctx) -> float:
@@ -352,9 +416,10 @@ def two_machines(args) -> list[dict]:
                     runs.setdefault(key, []).append(result)
     finally:
         unlink_machines()
-    results = [{**each[-1], "tok_s": statistics.median(r["tok_s"] for r in each),
-                "rounds_tok_s": [r["tok_s"] for r in each]} for each in runs.values()]
+    results = [over_rounds(each) for each in runs.values()]
     print(decode_table(results))
+    if args.prompt_tokens:
+        print(first_token_table(results))
     return results
 
 

@@ -1,0 +1,116 @@
+"""Tool calls read back from a model's reply (accessory/text/tool_calls.py): a corpus of replies per format (no
+call, one, several; nested JSON, unicode, escaped quotes, the closing marker inside a string; no arguments; text
+before and after; a reply cut short; markup that is not a call) gives exactly the expected content and calls, and a
+stream of the same reply, split anywhere, adds up to the same content and the same arguments byte for byte."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from accessory.text.tool_calls import FORMATS, CallStream, detect_format, parse
+from conftest import REPO
+
+NOTE = '{"text": "say \\"hi\\" </tool_call> ünïcødé ☃", "tags": [{"k": [1, 2]}], "n": -1.5e3, "ok": null}'
+
+CORPUS = {
+    "hermes": [
+        ("Hello there.", "Hello there.", []),
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "",
+         [("get_weather", '{"city": "Paris"}')]),
+        ('Let me check.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n'
+         '{"name": "b", "arguments": {}}\n</tool_call>\n', "Let me check.", [("a", '{"x": 1}'), ("b", "{}")]),
+        (f'<tool_call>{{"name": "note", "arguments": {NOTE}}}</tool_call>', "", [("note", NOTE)]),
+        ('<tool_call>{"name": "now"}</tool_call>', "", [("now", "{}")]),
+        ('<tool_call>{"arguments": {"q": "x"}, "name": "search"}</tool_call>', "", [("search", '{"q": "x"}')]),
+        ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', "", [("f", '{"a": 1}')]),
+        ('<tool_call>{"name": "f", "arguments": { }}</tool_call>', "", [("f", "{ }")]),
+        ('Before.<tool_call>{"name": "f", "arguments": {}}</tool_call>\nAfter.', "Before.\nAfter.", [("f", "{}")]),
+        ("<tool_call>not json</tool_call> ok", "<tool_call>not json</tool_call> ok", []),
+        ('<tool_call>{"name": "f", "arguments": {"a": [1, 2', "", [("f", '{"a": [1, 2')]),
+        ('<tool_call>{"nam', '<tool_call>{"nam', []),
+        ("a < b and <tool", "a < b and <tool", []),
+    ],
+    "llama3_json": [
+        ('{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [("get_weather", '{"city": "Paris"}')]),
+        ('<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {}}', "",
+         [("a", '{"x": 1}'), ("b", "{}")]),
+        (f' {{"name": "note", "parameters": {NOTE}}}', "", [("note", NOTE)]),
+        ('{"name": "now"}', "", [("now", "{}")]),
+        ("The weather is nice.", "The weather is nice.", []),
+        ('{"city": "Paris"}', '{"city": "Paris"}', []),
+    ],
+    "mistral": [
+        ('[TOOL_CALLS][{"name": "a", "arguments": {"x": "y"}}, {"name": "b", "arguments": {}}]', "",
+         [("a", '{"x": "y"}'), ("b", "{}")]),
+        ('Sure. [TOOL_CALLS][{"name": "note", "arguments": ' + NOTE + "}]", "Sure.", [("note", NOTE)]),
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "", [("get_weather", '{"city": "Paris"}')]),
+        ('[TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]b[ARGS]{}', "", [("a", '{"x": 1}'), ("b", "{}")]),
+        ("No tools needed [here].", "No tools needed [here].", []),
+    ],
+    "pythonic": [
+        ('[get_weather(city="Paris", days=3)]', "", [("get_weather", '{"city": "Paris", "days": 3}')]),
+        ('[a(x=[1, {"k": "v)"}]), b()]', "", [("a", '{"x": [1, {"k": "v)"}]}'), ("b", "{}")]),
+        ('[say(text="h\\u00e9llo \\"q\\" ☃")]', "", [("say", json.dumps({"text": 'héllo "q" ☃'},
+                                                                         ensure_ascii=False))]),
+        ("The answer is [1, 2].", "The answer is [1, 2].", []),
+        ("[1, 2, 3]", "[1, 2, 3]", []),
+        ('[f("positional")]', '[f("positional")]', []),
+    ],
+}
+CASES = [(name, *case) for name, cases in CORPUS.items() for case in cases]
+
+
+@pytest.mark.parametrize("fmt, reply, content, calls", CASES)
+def test_a_whole_reply_gives_exactly_its_calls(fmt, reply, content, calls):
+    found_content, found = parse(reply, FORMATS[fmt])
+    assert found_content == content
+    assert [(call.name, call.arguments) for call in found] == calls
+    assert all(call.id.startswith("call_") and len(call.id) == 29 for call in found)
+
+
+def streamed(reply: str, fmt: str, pieces: list[str]) -> tuple[str, list[tuple[str, str]], list[str]]:
+    """What a stream of `pieces` sends, put together: the content, each call's name and arguments, and the pieces
+    of content it sent."""
+    stream, content, names, arguments = CallStream(FORMATS[fmt]), [], {}, {}
+    for news in [stream.feed(piece) for piece in pieces] + [stream.finish()]:
+        content.append(news[0])
+        for delta in news[1]:
+            index = delta["index"]
+            if "id" in delta:
+                assert index == len(names) and delta["function"]["arguments"] == ""
+                names[index] = delta["function"]["name"]
+                arguments[index] = ""
+            else:
+                arguments[index] += delta["function"]["arguments"]
+    return "".join(content), [(names[i], arguments[i]) for i in sorted(names)], content
+
+
+@pytest.mark.parametrize("fmt, reply, content, calls", CASES)
+def test_a_stream_split_anywhere_adds_up_to_the_whole_reply(fmt, reply, content, calls):
+    for cut in range(len(reply) + 1):
+        assert streamed(reply, fmt, [reply[:cut], reply[cut:]])[:2] == (content, calls), cut
+    assert streamed(reply, fmt, list(reply))[:2] == (content, calls)
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "mistral"])
+def test_no_markup_goes_out_as_content_before_a_call(fmt):
+    reply = {"hermes": 'Checking.\n<tool_call>{"name": "f", "arguments": {}}</tool_call>',
+             "mistral": 'Checking. [TOOL_CALLS][{"name": "f", "arguments": {}}]'}[fmt]
+    sent = streamed(reply, fmt, list(reply))[2]
+    assert "".join(sent) == "Checking." and not any("<" in piece or "[" in piece for piece in sent)
+
+
+def test_a_reply_that_only_looks_like_a_call_is_content_unless_it_names_a_tool():
+    fmt = FORMATS["llama3_json"]
+    reply = '{"name": "John", "parameters": {"age": 3}}'
+    assert parse(reply, fmt, tools={"get_weather"}) == (reply, [])
+    content, calls = parse(reply, fmt, tools={"John"})
+    assert content == "" and [call.name for call in calls] == ["John"]
+
+
+@pytest.mark.parametrize("template, fmt", [("qwen2.5-tools", "hermes"), ("llama3.1-tools", "llama3_json"),
+                                           ("chatml", None), ("llama2", None)])
+def test_the_format_is_found_in_the_chat_template(template, fmt):
+    text = (REPO / f"tests/data/chat_templates/{template}.jinja").read_text()
+    assert detect_format(text) is (FORMATS[fmt] if fmt else None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import time
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -12,6 +13,7 @@ from fastapi import Request
 
 from accessory.generation.requests import Event
 from accessory.serve.service import GenerationService, Handle
+from accessory.text.tool_calls import CallFormat, CallStream, parse
 
 
 def head(model_name: str, service: GenerationService, handle: Handle, request: Request) -> dict:
@@ -43,11 +45,23 @@ def usage(handle: Handle, finals) -> dict:
             "total_tokens": handle.prompt_tokens + completion}
 
 
+@dataclass(frozen=True)
+class ToolReading:
+    """How a chat reply is read for tool calls: their format, the request's tools' names, and whether a reply may
+    make several calls (parallel_tool_calls; if not, only its first is kept)."""
+    format: CallFormat
+    tools: frozenset
+    parallel: bool = True
+
+
 class Chat:
-    """How /v1/chat/completions words its answers: whole choices, streamed chunks, and log-probs."""
+    """How /v1/chat/completions words its answers: whole choices, streamed chunks, and log-probs; with `calls`, a
+    reply's tool calls as `tool_calls` (finish_reason "tool_calls"), their markup kept out of the content."""
     prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+
+    def __init__(self, tokenizer, calls: Optional[ToolReading] = None):
+        self.tokenizer, self.calls = tokenizer, calls
+        self.streams: dict[int, CallStream] = {}  # each streamed choice's reader of calls
 
     def echoed(self, index: int) -> str:
         return ""  # chat never repeats the prompt
@@ -56,8 +70,15 @@ class Chat:
         return []
 
     def choice(self, index: int, text: str, finish: Optional[str], logprobs: Optional[list]) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+        message = {"role": "assistant", "content": text}
+        if self.calls is not None:
+            content, calls = parse(text, self.calls.format, self.calls.tools)
+            if calls:
+                calls = calls if self.calls.parallel else calls[:1]
+                message = {"role": "assistant", "content": content or None,
+                           "tool_calls": [call.openai() for call in calls]}
+                finish = "tool_calls" if finish == "stop" else finish
+        return {"index": index, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
 
     def opening(self, index: int) -> Optional[dict]:
         """The first chunk of choice `index`, before any text: the role, as OpenAI streams it."""
@@ -66,8 +87,15 @@ class Chat:
 
     def chunk_choice(self, index: int, delta: str, finish: Optional[str], logprobs: Optional[list],
                      first: bool = False) -> dict:
-        return {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": self.logprobs(logprobs),
-                "finish_reason": finish}
+        calls = []
+        if self.calls is not None:  # the content that cannot be a call's markup, and the calls' pieces
+            stream = self.streams.setdefault(index, CallStream(self.calls.format, self.calls.tools))
+            delta, calls = stream.finish() if finish is not None else stream.feed(delta)
+            calls = calls if self.calls.parallel else [call for call in calls if call["index"] == 0]
+            finish = "tool_calls" if finish == "stop" and stream.call_count else finish
+        fields = {"content": delta} if delta else {}
+        return {"index": index, "delta": {**fields, "tool_calls": calls} if calls else fields,
+                "logprobs": self.logprobs(logprobs), "finish_reason": finish}
 
     def logprobs(self, entries: Optional[list]) -> Optional[dict]:
         if entries is None:

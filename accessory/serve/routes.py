@@ -15,10 +15,11 @@ from accessory.generation.chat import render_chat
 from accessory.generation.constraints import ConstraintError
 from accessory.serve.api_errors import APIError
 from accessory.serve.images import ImageOptions, image_pixels
-from accessory.serve.responses import Chat, Completion, head, model_card
+from accessory.serve.responses import Chat, Completion, ToolReading, head, model_card
 from accessory.serve.schemas import ChatRequest, CompletionRequest, DetokenizeRequest, SamplingFields, TokenizeRequest
 from accessory.serve.service import FieldError, GenerationService, Handle, QueueFull, ServiceClosed
 from accessory.serve.streaming import respond
+from accessory.text.tool_calls import call_format
 from accessory.serve.validation import (chat_messages, chat_tools, check_common, check_model, check_text,
                                         check_token_ids, constraint_field, prompt_list, sampling_of, stops)
 
@@ -47,6 +48,7 @@ class Served:
     template: Optional[str]
     special_tokens_in_prompt: bool
     images: ImageOptions
+    tool_call_parser: str = "auto"
 
 
 async def app_served(request: Request) -> Served:
@@ -140,8 +142,8 @@ async def chat_completions(body: ChatRequest, request: Request, served: AppServe
                                    **options, **labels(request, body))
 
     handle = await submit(make, body)
-    return await respond(Chat(service.model.tokenizer), body, handle, request,
-                         head(body.model, service, handle, request))
+    return await respond(Chat(service.model.tokenizer, tool_reading(body, tools, service, served)), body, handle,
+                         request, head(body.model, service, handle, request))
 
 
 @router.post("/tokenize")
@@ -176,6 +178,15 @@ async def detokenize(body: DetokenizeRequest, served: AppServed):
         check_model(body.model, served.model_name, service.model.adapter_names)
     check_token_ids(body.tokens, service.vocab_size, "tokens")
     return {"prompt": service.model.tokenizer.decode(body.tokens)}
+
+
+def tool_reading(body: ChatRequest, tools: Optional[list[dict]], service, served: Served) -> Optional[ToolReading]:
+    """How a reply to a request with tools is read for calls (None: it is plain content)."""
+    fmt = tools and call_format(served.tool_call_parser, service.model.tokenizer.chat_template_text)
+    if not fmt:
+        return None
+    names = frozenset(tool["function"].get("name") for tool in tools)
+    return ToolReading(fmt, names, body.parallel_tool_calls is not False)
 
 
 def labels(request: Request, body: SamplingFields) -> dict:

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 def serve(load: Callable[[], object], host: str = "127.0.0.1", port: int = 8000, model_name: str = "default",
           api_key: Optional[str] = None, template: Optional[str] = None, max_queue: int = 64,
           grace_s: float = 30.0, max_request_bytes: Optional[int] = None, special_tokens_in_prompt: bool = False,
-          keepalive_s: float = 10.0, images=None) -> None:
+          keepalive_s: float = 10.0, images=None, tool_call_parser: str = "auto") -> None:
     """Load the model with `load()` (on every rank) and serve it until SIGTERM or SIGINT (then finish what runs,
     for up to grace_s, and return on every rank). `images`: how chat messages' images are read (an
     `images.ImageOptions`; default: its defaults)."""
@@ -31,8 +31,10 @@ def serve(load: Callable[[], object], host: str = "127.0.0.1", port: int = 8000,
         server, thread = _start_http(slot, host, port, model_name, api_key, template,
                                      dict(max_request_bytes=max_request_bytes, keepalive_s=keepalive_s,
                                           special_tokens_in_prompt=special_tokens_in_prompt,
-                                          images=images or ImageOptions()))
+                                          images=images or ImageOptions(), tool_call_parser=tool_call_parser))
     model = load()
+    if server is not None:
+        log_tool_calls(model, tool_call_parser)
     slot.phase = "compiling"
     model.warm_up()  # with --compile: every graph before /health says ok (a no-op without)
     service = GenerationService(model, max_queue=max_queue, grace_s=grace_s, metrics=True)
@@ -53,6 +55,18 @@ def serve(load: Callable[[], object], host: str = "127.0.0.1", port: int = 8000,
     if server is not None and not server.started:
         raise FailedInStep(f"could not listen on {host}:{port} (is the port in use? pass --port); see the log "
                            f"above")
+
+
+def log_tool_calls(model, parser: str) -> None:
+    from accessory.text.tool_calls import call_format
+
+    fmt = call_format(parser, model.tokenizer.chat_template_text)
+    if fmt is None:
+        log.info("tool calls: the chat template writes no format this server reads (--tool-call-parser names one); "
+                 "a reply to a request with tools is plain content")
+    else:
+        log.info("tool calls: read as %s (%s)", fmt.name, "--tool-call-parser" if parser != "auto" else
+                 "the chat template's markup")
 
 
 def _start_http(slot, host: str, port: int, model_name: str, api_key: Optional[str], template: Optional[str],

@@ -2,6 +2,7 @@
 constraint, prompts, chat messages and their image, tools); whatever it cannot take is an APIError naming the field."""
 from __future__ import annotations
 
+import json
 from typing import Optional, Sequence, Union
 
 from pydantic import BaseModel, ValidationError
@@ -119,7 +120,22 @@ def plain_message(message: Message, where: str, reads_images: bool, images: list
     for key in ("name", "tool_calls", "tool_call_id"):
         if getattr(message, key) is not None:
             plain[key] = getattr(message, key)
+    if message.tool_calls:
+        plain["tool_calls"] = [template_call(call) for call in message.tool_calls]
     return plain
+
+
+def template_call(call: dict) -> dict:
+    """An earlier turn's tool call as chat templates read it (transformers' convention): its arguments a mapping,
+    where OpenAI sends them as a JSON string."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}} if isinstance(arguments, dict) else call
 
 
 def part_text(part, where: str, role: str, reads_images: bool, images: list) -> str:

@@ -14,8 +14,8 @@ from accessory.errors import TokenizerError
 from accessory.text.template_sandbox import template_environment
 
 
-def load_chat_template(folder: Path, config: dict) -> tuple[Optional[jinja2.Template], str]:
-    """(the template, where it was read): chat_template.jinja if present (newer HF saves; it takes priority, as in
+def load_chat_template(folder: Path, config: dict) -> tuple[Optional[jinja2.Template], str, str]:
+    """(the template, where it was read, its text): chat_template.jinja if present (newer HF saves; it takes priority, as in
     transformers), else the tokenizer_config.json `chat_template`: a string, or HF's [{"name", "template"}] list
     whose "default" is used."""
     jinja_path, source = folder / "chat_template.jinja", folder / "tokenizer_config.json"
@@ -29,22 +29,23 @@ def load_chat_template(folder: Path, config: dict) -> tuple[Optional[jinja2.Temp
                                  f"named 'default'")
         template = named["default"]
     if template is None:
-        return None, f"{source}: no chat_template"
+        return None, f"{source}: no chat_template", ""
     if not isinstance(template, str):
         raise TokenizerError(f"{source}: chat_template must be a string or a list of {{name, template}}, got "
                              f"{type(template).__name__}")
     name = f"the chat template {jinja_path}" if source == jinja_path else f"the chat_template of {source}"
-    return _compile_template(template, source), name
+    return _compile_template(template, source), name, template
 
 
-def read_chat_template(path: Union[str, Path]) -> jinja2.Template:
+def read_chat_template(path: Union[str, Path]) -> tuple[jinja2.Template, str]:
     """The Jinja chat template file at `path` (Hugging Face's format: `messages`, `add_generation_prompt`,
-    `bos_token`, `eos_token`), compiled; a TokenizerError naming the file if it cannot be read or compiled."""
+    `bos_token`, `eos_token`), compiled, and its text; a TokenizerError naming the file if it cannot be read or
+    compiled."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise TokenizerError(f"chat template {path}: cannot be read ({e})") from e
-    return _compile_template(text, path)
+    return _compile_template(text, path), text
 
 
 def _compile_template(text: str, source) -> jinja2.Template:

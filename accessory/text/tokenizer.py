@@ -51,7 +51,8 @@ class Tokenizer:
         self.bos_id, self.eos_id, self._add_bos = find_special_ids(self.path, self._backend, config, generation)
         self._eos_ids = find_eos_ids(self.eos_id, generation)
         # _template_name, in errors: where the template was read (a file, or the key of tokenizer_config.json)
-        self._chat_template, self._template_name = load_chat_template(folder, config)
+        # chat_template_text: its source, where tool-call formats are recognised (tool_calls.detect_format)
+        self._chat_template, self._template_name, self.chat_template_text = load_chat_template(folder, config)
 
     @classmethod
     def from_path(cls, path: PathLike) -> "Tokenizer":
@@ -149,7 +150,8 @@ class Tokenizer:
     def set_chat_template(self, path: PathLike) -> None:
         """Render chats with the Jinja template file at `path` (`read_chat_template`) instead of the model's own; its
         end-of-turn token becomes one of `chat_stop_ids`."""
-        self._chat_template, self._template_name = read_chat_template(path), f"the chat template {path}"
+        (self._chat_template, self.chat_template_text), self._template_name = (read_chat_template(path),
+                                                                               f"the chat template {path}")
         self.__dict__.pop("_chat_stop_ids", None)  # cached from the old template
 
     def literal_messages(self, render: Callable[[list[dict]], str], messages: list[dict]) -> str:

@@ -1,0 +1,114 @@
+"""Tool calls in chat completions (accessory/text/tool_calls.py read by serve/responses.py `Chat`), on the built-in
+model served in this process with Qwen2.5's chat template (ChatML with tools, so the format is found: hermes): a
+reply held by guided_regex to text and hermes
+calls comes back as `tool_calls` with finish_reason "tool_calls", whole and streamed alike (the streamed arguments'
+pieces add up to the whole reply's), the markup never in the content; parallel_tool_calls false keeps the first
+call; without tools, or with tool_choice "none", the same reply is plain content. A later turn carries the
+assistant's calls (arguments as OpenAI's JSON string) back through the template as the model wrote them."""
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import pytest
+
+from conftest import REPO
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {
+                                                "type": "string"}}, "required": ["city"]}}},
+         {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+REPLY = "Let me check.\n" + CALL + "\n<tool_call>\n{\"name\": \"now\"}\n</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def client(smollm2_checkpoint):
+    from starlette.testclient import TestClient
+
+    from accessory.model.meta import MetaModel
+    from accessory.serve.api import create_app
+    from accessory.serve.service import GenerationService
+
+    model = MetaModel.from_pretrained(smollm2_checkpoint, max_seq_len=512)
+    model.tokenizer.set_chat_template(REPO / "tests/data/chat_templates/qwen2.5-tools.jinja")
+    service = GenerationService(model, heartbeat_s=0.2)
+    runner = threading.Thread(target=service.run, daemon=True)
+    runner.start()
+    with TestClient(create_app(service, "smol")) as client:
+        yield client
+    service.shutdown()
+    runner.join(timeout=30)
+
+
+def ask(client, **fields) -> dict:
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 80,
+            "guided_regex": re.escape(REPLY), "tools": TOOLS, **fields}
+    answer = client.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["choices"][0]
+
+
+def streamed(client, **fields) -> tuple[str, list[tuple[str, str, str]], str]:
+    """A streamed reply put together: its content, each call's (id, name, arguments), its finish_reason."""
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 80,
+            "guided_regex": re.escape(REPLY), "tools": TOOLS, "stream": True, **fields}
+    content, calls, finish = "", {}, None
+    with client.stream("POST", "/v1/chat/completions", json=body) as answer:
+        for line in answer.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            content += choice["delta"].get("content") or ""
+            for delta in choice["delta"].get("tool_calls", []):
+                if "id" in delta:
+                    calls[delta["index"]] = [delta["id"], delta["function"]["name"], delta["function"]["arguments"]]
+                else:
+                    calls[delta["index"]][2] += delta["function"]["arguments"]
+            finish = choice["finish_reason"] or finish
+    return content, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+def test_a_reply_with_calls_comes_back_as_tool_calls(client):
+    choice = ask(client)
+    message = choice["message"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert message["content"] == "Let me check."
+    assert [(c["type"], c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        ("function", "get_weather", '{"city": "Paris"}'), ("function", "now", "{}")]
+    assert all(re.fullmatch(r"call_[A-Za-z0-9]{24}", c["id"]) for c in message["tool_calls"])
+
+
+def test_a_streamed_reply_gives_the_same_calls_in_pieces(client):
+    content, calls, finish = streamed(client)
+    assert (content, finish) == ("Let me check.", "tool_calls")
+    assert [(name, arguments) for _, name, arguments in calls] == [("get_weather", '{"city": "Paris"}'),
+                                                                    ("now", "{}")]
+    assert all(re.fullmatch(r"call_[A-Za-z0-9]{24}", call_id) for call_id, _, _ in calls)
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(client):
+    assert [c["function"]["name"] for c in ask(client, parallel_tool_calls=False)["message"]["tool_calls"]] == [
+        "get_weather"]
+    assert [name for _, name, _ in streamed(client, parallel_tool_calls=False)[1]] == ["get_weather"]
+
+
+def test_without_tools_the_reply_is_content(client):
+    choice = ask(client, tools=None)
+    assert choice["message"] == {"role": "assistant", "content": REPLY} and choice["finish_reason"] == "stop"
+    assert streamed(client, tool_choice="none") == (REPLY, [], "stop")
+
+
+def test_a_later_turn_carries_the_calls_and_their_results(client):
+    call = {"id": "call_" + "a" * 24, "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": call["id"], "content": "18 C, sunny"}]
+    answer = client.post("/v1/chat/completions", json={"model": "smol", "messages": messages, "max_tokens": 4,
+                                                       "tools": TOOLS})
+    assert answer.status_code == 200, answer.text
+    tokens = client.post("/tokenize", json={"model": "smol", "messages": messages}).json()["tokens"]
+    prompt = client.post("/detokenize", json={"model": "smol", "tokens": tokens}).json()["prompt"]
+    assert "assistant\n" + CALL + "\nuser\n<tool_response>\n18 C, sunny\n</tool_response>" in prompt  # specials out

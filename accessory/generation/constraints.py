@@ -17,7 +17,7 @@ import torch
 # Objects are written compactly with the separators models write by themselves, and no other whitespace: free
 # whitespace lets a model pad forever without breaking the grammar.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-KINDS = ("json_schema", "json_object", "regex", "choice")
+KINDS = ("json_schema", "json_object", "regex", "choice", "tool_calls")
 
 
 class ConstraintError(ValueError):
@@ -27,7 +27,8 @@ class ConstraintError(ValueError):
 @dataclass(frozen=True)
 class Constraint:
     """What a request's output must match. `spec`: the schema as JSON text (json_schema), the pattern (regex), the
-    choices as a JSON list (choice); empty for json_object."""
+    choices as a JSON list (choice), a Lark grammar of tool calls (tool_calls: text/tool_calls.py `call_grammar`);
+    empty for json_object."""
     kind: str
     spec: str = ""
 
@@ -53,6 +54,8 @@ class Constraint:
             return llguidance.LLMatcher.grammar_from_regex(self.spec)
         if self.kind == "choice":
             return llguidance.LLMatcher.grammar_from_regex("|".join(map(re.escape, json.loads(self.spec))))
+        if self.kind == "tool_calls":
+            return llguidance.LLMatcher.grammar_from_lark(self.spec)
         schema = json.loads(self.spec) if self.kind == "json_schema" else {"type": "object"}
         return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
 

@@ -19,9 +19,10 @@ from accessory.serve.responses import Chat, Completion, ToolReading, head, model
 from accessory.serve.schemas import ChatRequest, CompletionRequest, DetokenizeRequest, SamplingFields, TokenizeRequest
 from accessory.serve.service import FieldError, GenerationService, Handle, QueueFull, ServiceClosed
 from accessory.serve.streaming import respond
-from accessory.text.tool_calls import call_format
 from accessory.serve.validation import (chat_messages, chat_tools, check_common, check_model, check_text,
-                                        check_token_ids, constraint_field, prompt_list, sampling_of, stops)
+                                        check_token_ids, constraint_field, forced_calls, prompt_list, sampling_of,
+                                        stops)
+from accessory.text.tool_calls import call_format, forced_format
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
@@ -141,9 +142,10 @@ async def chat_completions(body: ChatRequest, request: Request, served: AppServe
         return service.submit_chat(messages, sampling, served.template, stops(body), loop, tools=tools, image=pixels,
                                    **options, **labels(request, body))
 
+    reading = tool_reading(body, tools, service, served, options)
     handle = await submit(make, body)
-    return await respond(Chat(service.model.tokenizer, tool_reading(body, tools, service, served)), body, handle,
-                         request, head(body.model, service, handle, request))
+    return await respond(Chat(service.model.tokenizer, reading), body, handle, request,
+                         head(body.model, service, handle, request))
 
 
 @router.post("/tokenize")
@@ -180,10 +182,18 @@ async def detokenize(body: DetokenizeRequest, served: AppServed):
     return {"prompt": service.model.tokenizer.decode(body.tokens)}
 
 
-def tool_reading(body: ChatRequest, tools: Optional[list[dict]], service, served: Served) -> Optional[ToolReading]:
-    """How a reply to a request with tools is read for calls (None: it is plain content)."""
-    fmt = tools and call_format(served.tool_call_parser, service.model.tokenizer.chat_template_text)
-    if not fmt:
+def tool_reading(body: ChatRequest, tools: Optional[list[dict]], service, served: Served,
+                 options: dict) -> Optional[ToolReading]:
+    """How a reply to a request with tools is read for calls (None: it is plain content); a reply that must be
+    calls is held to them in the model's format (its own, or a JSON list where that is Python calls or unknown),
+    through `options`' constraint."""
+    if not tools:
+        return None
+    fmt = call_format(served.tool_call_parser, service.model.tokenizer.chat_template_text)
+    forced = forced_calls(body, tools, forced_format(fmt))
+    if forced is not None:
+        options["constraint"], fmt = forced, forced_format(fmt)
+    if fmt is None:
         return None
     names = frozenset(tool["function"].get("name") for tool in tools)
     return ToolReading(fmt, names, body.parallel_tool_calls is not False)

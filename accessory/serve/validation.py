@@ -3,14 +3,16 @@ constraint, prompts, chat messages and their image, tools); whatever it cannot t
 from __future__ import annotations
 
 import json
+import re
 from typing import Optional, Sequence, Union
 
 from pydantic import BaseModel, ValidationError
 
-from accessory.generation.constraints import Constraint
+from accessory.generation.constraints import JSON_OPTIONS, Constraint
 from accessory.text.tokenizer import IMAGE_PLACEHOLDER
 from accessory.serve.api_errors import APIError
 from accessory.serve.images import ImageRef
+from accessory.text.tool_calls import CallFormat, call_grammar
 from accessory.serve.schemas import PART_MODELS, ChatRequest, ImagePart, Message, OtherPart, SamplingFields, TextPart
 
 
@@ -43,7 +45,9 @@ def constraint_fields(body: SamplingFields) -> list[str]:
 
 
 def constraint_field(body: SamplingFields) -> Optional[str]:
-    return next(iter(constraint_fields(body)), None)
+    """The field a constraint's refusal names: a structured-output field, else a tool_choice that forces calls."""
+    forced = getattr(body, "tool_choice", None) not in (None, "auto", "none")
+    return next(iter(constraint_fields(body)), "tool_choice" if forced else None)
 
 
 def constraint_of(body: SamplingFields) -> Optional[Constraint]:
@@ -177,15 +181,68 @@ def check_part(part: OtherPart, model: type[BaseModel], where: str) -> None:
         raise APIError(400, f"{field}: {message}", param=field) from None
 
 
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
+
+
 def chat_tools(body: ChatRequest) -> Optional[list[dict]]:
-    """The tools to give the chat template: none when tool_choice is "none"; only "auto" lets the model choose."""
+    """The tools to give the chat template: none when tool_choice is "none"."""
+    tools = [tool.model_dump() for tool in body.tools or ()]
+    for i, tool in enumerate(tools):
+        name = tool["function"].get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise APIError(400, f"tools.{i}.function.name: 1 to 64 letters, digits, _ or -, got {name!r}",
+                           param=f"tools.{i}.function.name")
+    choice = tool_choice(body, [tool["function"]["name"] for tool in tools])
+    return tools if tools and choice != "none" else None
+
+
+def tool_choice(body: ChatRequest, names: list[str]) -> str:
+    """"auto" (the default), "none", "required", or the name of the function the reply must call."""
     choice = body.tool_choice if body.tool_choice is not None else "auto"
-    if choice not in ("auto", "none"):
-        raise APIError(400, f"tool_choice: only 'auto' and 'none' are supported, got {choice!r}",
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise APIError(400, 'tool_choice: "auto", "none", "required" or {"type": "function", "function": '
+                           f'{{"name": ...}}}}, got {json.dumps(choice)[:200]}', param="tool_choice")
+        if name not in names:
+            raise APIError(400, f"tool_choice.function.name: {name!r} is not one of the request's tools {names}",
+                           param="tool_choice.function.name")
+        return name
+    if choice not in ("auto", "none", "required"):
+        raise APIError(400, f'tool_choice: "auto", "none", "required" or a function, got {choice!r}',
                        param="tool_choice")
-    if not body.tools or choice == "none":
+    if choice == "required" and not names:
+        raise APIError(400, 'tool_choice: "required" needs tools', param="tool_choice")
+    return choice
+
+
+def forced_calls(body: ChatRequest, tools: Optional[list[dict]], fmt: CallFormat) -> Optional[Constraint]:
+    """A reply that must be calls (tool_choice "required": of any of `tools`; a name: of that one): the constraint
+    that holds it to `fmt`'s markup and each tool's parameters schema; None if the reply may be anything."""
+    choice = tool_choice(body, [tool["function"]["name"] for tool in tools or ()])
+    if choice in ("auto", "none"):
         return None
-    return [tool.model_dump() for tool in body.tools]
+    if constraint_fields(body):
+        raise APIError(400, f"tool_choice: a required call cannot also be held to {constraint_fields(body)[0]}",
+                       param="tool_choice")
+    called = tools if choice == "required" else [tool for tool in tools if tool["function"]["name"] == choice]
+    for i, tool in enumerate(tools):
+        if tool in called:
+            check_tool_schema(tool, f"tools.{i}.function.parameters", fmt)
+    several = choice == "required" and body.parallel_tool_calls is not False  # a named function: one call of it
+    return Constraint("tool_calls", call_grammar(fmt, called, several, JSON_OPTIONS))
+
+
+def check_tool_schema(tool: dict, field: str, fmt: CallFormat) -> None:
+    """A tool's parameters the grammar engine cannot hold a call to is a 400 naming them."""
+    import llguidance
+
+    grammar = llguidance.LLMatcher.grammar_from_lark(call_grammar(fmt, [tool], False, JSON_OPTIONS))
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if failed:
+        raise APIError(400, f"{field}: the grammar engine cannot hold a call to this schema: "
+                       f"{messages[0].splitlines()[0][:300] if messages else 'refused'}", param=field)
 
 
 def stops(body: SamplingFields) -> list[str]:

@@ -49,7 +49,8 @@ class CallFormat:
 
 FORMATS = {fmt.name: fmt for fmt in (
     CallFormat("hermes", start="<tool_call>", end="</tool_call>"),
-    CallFormat("llama3_json", start="<|python_tag|>", separator=";", whole=True),
+    CallFormat("llama3_json", start="<|python_tag|>", separator=";", whole=True,
+               argument_keys=("parameters", "arguments")),
     CallFormat("mistral", start="[TOOL_CALLS]", body=LIST, named="[ARGS]"),
     CallFormat("pythonic", body=PYTHON, whole=True),
 )}
@@ -68,6 +69,44 @@ def detect_format(template: str) -> Optional[CallFormat]:
 def call_format(parser: str, template: str) -> Optional[CallFormat]:
     """--tool-call-parser's format: one of FORMATS by name, or for "auto" the chat template's (`detect_format`)."""
     return detect_format(template) if parser == "auto" else FORMATS[parser]
+
+
+JSON_CALLS = CallFormat("json", body=LIST, whole=True)  # required calls where a model's own format has no grammar
+
+
+def forced_format(fmt: Optional[CallFormat]) -> CallFormat:
+    """The format a required or named call is written in: the model's own, or where that is Python calls or
+    unknown, a JSON list of call objects (JSON_CALLS)."""
+    return fmt if fmt is not None and fmt.body != PYTHON else JSON_CALLS
+
+
+def call_grammar(fmt: CallFormat, tools: list[dict], parallel: bool, json_options: dict) -> str:
+    """A Lark grammar (llguidance's) for a reply that is nothing but calls of `tools` (OpenAI's definitions) in
+    `fmt`: one call, or with `parallel` one or more, each call's arguments valid against its tool's parameters
+    schema (JSON written as `json_options` say). `fmt` must not be PYTHON (`forced_format`)."""
+    key = fmt.argument_keys[0]
+    rules = [f"tool_{i}: %json {json.dumps({**call_schema(tool, key), 'x-guidance': json_options})}"
+             for i, tool in enumerate(tools)]
+    if fmt.body == LIST:
+        calls = f'{json.dumps(fmt.start + "[")} call' + (' (", " call)*' if parallel else "") + ' "]"'
+    elif fmt.end:  # a block a call, each on a line of its own
+        opening, closing, newline = (json.dumps(text) for text in (fmt.start + "\n", "\n" + fmt.end, "\n"))
+        calls = "block" + (f" ({newline} block)*" if parallel else "")
+        rules.append(f"block: {opening} call {closing}")
+    else:
+        calls = "call" + (f' ({json.dumps(fmt.separator + " ")} call)*' if parallel and fmt.separator else "")
+    return "\n".join([f"start: {calls}", "call: " + " | ".join(f"tool_{i}" for i in range(len(tools))), *rules])
+
+
+def call_schema(tool: dict, key: str) -> dict:
+    """The JSON schema of one call of `tool`: its name, then its arguments under `key`, which hold only the
+    parameters it declares unless its schema says otherwise (`additionalProperties`)."""
+    function = tool["function"]
+    parameters = function.get("parameters") or {"type": "object", "properties": {}}
+    if parameters.get("type") == "object" and "additionalProperties" not in parameters:
+        parameters = {**parameters, "additionalProperties": False}
+    return {"type": "object", "properties": {"name": {"const": function["name"]}, key: parameters},
+            "required": ["name", key], "additionalProperties": False}
 
 
 @dataclass
@@ -246,10 +285,12 @@ def _scan_whole(text: str, fmt: CallFormat, final: bool, tools: Optional[Collect
     calls = []
     try:
         i = _skip(text, i)
-        if text[i] != ("[" if fmt.body == PYTHON else "{"):
+        if text[i] != ("{" if fmt.body == OBJECT else "["):
             raise _NotACall
         if fmt.body == PYTHON:
             _python_list(text, i, final, calls)
+        elif fmt.body == LIST:
+            _list(text, i, fmt, final, calls)
         else:
             _objects(text, i, fmt, final, calls)
     except _Incomplete:

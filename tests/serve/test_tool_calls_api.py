@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
+import jsonschema
 import pytest
 
 from conftest import REPO
@@ -23,12 +25,16 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 REPLY = "Let me check.\n" + CALL + "\n<tool_call>\n{\"name\": \"now\"}\n</tool_call>"
 
 
-@pytest.fixture(scope="module")
-def client(smollm2_checkpoint):
-    from starlette.testclient import TestClient
+FORECAST = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                            "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "days"], "additionalProperties": False}
+FORCED_TOOLS = [{"type": "function", "function": {"name": "forecast", "parameters": FORECAST}}, TOOLS[1]]
 
+
+@pytest.fixture(scope="module")
+def service(smollm2_checkpoint):
     from accessory.model.meta import MetaModel
-    from accessory.serve.api import create_app
     from accessory.serve.service import GenerationService
 
     model = MetaModel.from_pretrained(smollm2_checkpoint, max_seq_len=512)
@@ -36,10 +42,19 @@ def client(smollm2_checkpoint):
     service = GenerationService(model, heartbeat_s=0.2)
     runner = threading.Thread(target=service.run, daemon=True)
     runner.start()
-    with TestClient(create_app(service, "smol")) as client:
-        yield client
+    yield service
     service.shutdown()
     runner.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    from starlette.testclient import TestClient
+
+    from accessory.serve.api import create_app
+
+    with TestClient(create_app(service, "smol")) as client:
+        yield client
 
 
 def ask(client, **fields) -> dict:
@@ -112,3 +127,66 @@ def test_a_later_turn_carries_the_calls_and_their_results(client):
     tokens = client.post("/tokenize", json={"model": "smol", "messages": messages}).json()["tokens"]
     prompt = client.post("/detokenize", json={"model": "smol", "tokens": tokens}).json()["prompt"]
     assert "assistant\n" + CALL + "\nuser\n<tool_response>\n18 C, sunny\n</tool_response>" in prompt  # specials out
+
+
+def forced(client, choice, **fields) -> dict:
+    body = {"model": "smol", "messages": [{"role": "user", "content": "What will the weather be?"}],
+            "max_tokens": 120, "tools": FORCED_TOOLS, "tool_choice": choice, **fields}
+    answer = client.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["choices"][0]
+
+
+def test_required_calls_validate_against_the_tools_schema_on_every_seed(client):
+    """The built-in model knows nothing of tools: the grammar writes the markup and holds the arguments."""
+    with ThreadPoolExecutor(8) as pool:
+        choices = list(pool.map(lambda seed: forced(client, "required", temperature=1.0, seed=seed,
+                                                    parallel_tool_calls=False), range(16)))
+    for choice in choices:
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+        (call,) = choice["message"]["tool_calls"]
+        schema = FORECAST if call["function"]["name"] == "forecast" else {"type": "object", "properties": {}}
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
+
+
+def test_a_named_function_is_called_once_whole_and_streamed(client):
+    choice = forced(client, {"type": "function", "function": {"name": "forecast"}})
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "forecast" and choice["finish_reason"] == "tool_calls"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), FORECAST)
+    body = {"model": "smol", "messages": [{"role": "user", "content": "What will the weather be?"}],
+            "max_tokens": 120, "tools": FORCED_TOOLS, "tool_choice": {"type": "function", "function": {"name": "now"}},
+            "stream": True}
+    calls = []
+    with client.stream("POST", "/v1/chat/completions", json=body) as answer:
+        for line in answer.iter_lines():
+            if line.startswith("data: {"):
+                calls += json.loads(line[6:])["choices"][0]["delta"].get("tool_calls", [])
+    assert calls[0]["function"]["name"] == "now" and "".join(c["function"]["arguments"] for c in calls) == "{}"
+
+
+def test_a_model_whose_calls_are_python_is_held_to_a_json_list_instead(service):
+    from starlette.testclient import TestClient
+
+    from accessory.serve.api import create_app
+
+    with TestClient(create_app(service, "smol", tool_call_parser="pythonic")) as client:
+        choice = forced(client, {"type": "function", "function": {"name": "forecast"}})
+    (call,) = choice["message"]["tool_calls"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), FORECAST)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": None, "tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "elsewhere"}}}, "tool_choice.function.name"),
+    ({"tool_choice": "required", "guided_regex": "x"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+    ({"tools": [TOOLS[1], {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/nowhere"}}}],
+      "tool_choice": "required"}, "tools.1.function.parameters"),
+], ids=["required without tools", "unknown choice", "unknown name", "with guided_regex", "bad name", "bad schema"])
+def test_a_tool_choice_that_cannot_be_met_is_a_400_naming_the_field(client, fields, param):
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "tools": TOOLS,
+            **fields}
+    answer = client.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text

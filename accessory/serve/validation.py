@@ -192,6 +192,9 @@ def chat_tools(body: ChatRequest) -> Optional[list[dict]]:
         if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
             raise APIError(400, f"tools.{i}.function.name: 1 to 64 letters, digits, _ or -, got {name!r}",
                            param=f"tools.{i}.function.name")
+        if not isinstance(tool["function"].get("parameters", {}), dict):
+            raise APIError(400, f"tools.{i}.function.parameters: a JSON schema object, got "
+                           f"{type(tool['function']['parameters']).__name__}", param=f"tools.{i}.function.parameters")
     choice = tool_choice(body, [tool["function"]["name"] for tool in tools])
     return tools if tools and choice != "none" else None
 

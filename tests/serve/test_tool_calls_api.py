@@ -184,7 +184,9 @@ def test_a_model_whose_calls_are_python_is_held_to_a_json_list_instead(service):
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
     ({"tools": [TOOLS[1], {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/nowhere"}}}],
       "tool_choice": "required"}, "tools.1.function.parameters"),
-], ids=["required without tools", "unknown choice", "unknown name", "with guided_regex", "bad name", "bad schema"])
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools.0.function.parameters"),
+], ids=["required without tools", "unknown choice", "unknown name", "with guided_regex", "bad name", "bad schema",
+        "schema not an object"])
 def test_a_tool_choice_that_cannot_be_met_is_a_400_naming_the_field(client, fields, param):
     body = {"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "tools": TOOLS,
             **fields}

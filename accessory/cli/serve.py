@@ -7,6 +7,7 @@ import os
 from accessory.cli.options import (add_image_args, add_model_args, byte_size, lora_module, non_negative_float,
                                    positive_float, positive_int)
 from accessory.cli.process import load_model
+from accessory.text.reasoning import REASONING_FORMATS
 from accessory.text.tool_calls import FORMATS
 
 
@@ -45,6 +46,9 @@ def add_serve_verb(verbs) -> None:
                       help="how a chat reply to a request with tools writes its calls, read back as tool_calls: "
                       "hermes (<tool_call>), llama3_json, mistral ([TOOL_CALLS]), pythonic ([f(a=1)]); auto (the "
                       "default): the one the chat template writes, if any")
+    http.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", *REASONING_FORMATS],
+                      help="keep a reply's reasoning between <think> and </think> apart, as reasoning_content "
+                      "(qwen3, deepseek_r1: the same markers); auto (the default): if the chat template writes them")
     add_server_image_args(serve)
     serve.set_defaults(handler=run_serve, max_seq_len=2048, max_batch_size=16)
 
@@ -84,4 +88,4 @@ def run_serve(args) -> None:
     serve(lambda: load_model(args), args.host, args.port, name, args.api_key, args.template, args.max_queue,
           args.shutdown_grace, max_request_bytes=args.max_request_bytes,
           special_tokens_in_prompt=args.allow_special_tokens_in_prompt, keepalive_s=args.sse_keepalive,
-          images=images, tool_call_parser=args.tool_call_parser)
+          images=images, tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)

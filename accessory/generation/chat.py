@@ -38,15 +38,16 @@ def with_image_placeholder(messages: list[dict]) -> list[dict]:
 
 
 def render_chat(tokenizer, messages: list[dict], template: Optional[str] = None,
-                tools: Optional[list] = None) -> tuple[str, list[str]]:
+                tools: Optional[list] = None, context: Optional[dict] = None) -> tuple[str, list[str]]:
     """(prompt, stop strings). Template None: the model's own chat template, whose end-of-turn token is already a
     stop id; if the model has none, LLaMA2-Accessory's default conversation. A name: that conversation template.
 
     A "developer" message is a system message (as OpenAI treats it for models without that role). When the last
     message is the assistant's, the prompt ends inside it, so the reply continues that text. `tools` (OpenAI's
     function definitions) are given to the chat template; a template that does not write them is an error, as is a
-    "tool" message for a conversation template. The messages' text is encoded as plain text (a ChatPrompt, when it
-    holds a special token's text)."""
+    "tool" message for a conversation template. `context`: more variables for the chat template
+    (`chat_template_kwargs`: {"enable_thinking": False}). The messages' text is encoded as plain text (a ChatPrompt,
+    when it holds a special token's text)."""
     check_messages(messages)
     messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
     if messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
@@ -56,7 +57,7 @@ def render_chat(tokenizer, messages: list[dict], template: Optional[str] = None,
     continuing = messages[-1]["role"] == "assistant"
     if template is None and tokenizer.has_chat_template:
         def rendered(shown: list[dict], with_tools: bool = True) -> str:
-            text = tokenizer.apply_chat_template(list(shown), add_generation_prompt=not continuing,
+            text = tokenizer.apply_chat_template(list(shown), add_generation_prompt=not continuing, **(context or {}),
                                                  **({"tools": tools} if tools and with_tools else {}))
             return _ending_in(text, shown[-1]["content"]) if continuing else text
 
@@ -64,6 +65,8 @@ def render_chat(tokenizer, messages: list[dict], template: Optional[str] = None,
             raise ValueError("tools: this model's chat template does not write tool definitions (pass one that "
                              "does with --chat-template)")
         return tokenizer.literal_messages(rendered, messages), []
+    if context:
+        raise ValueError("chat_template_kwargs: a LLaMA2-Accessory conversation template takes no variables")
     return _conversation_prompt(tokenizer, messages, template, tools)
 
 

@@ -30,7 +30,8 @@ from accessory.serve.streaming import SSE_KEEPALIVE_S
 def create_app(service: Union[GenerationService, ServiceSlot, None], model_name: str, api_key: Optional[str] = None,
                template: Optional[str] = None, max_request_bytes: Optional[int] = None,
                special_tokens_in_prompt: bool = False, keepalive_s: float = SSE_KEEPALIVE_S,
-               images: ImageOptions = ImageOptions(), tool_call_parser: str = "auto") -> FastAPI:
+               images: ImageOptions = ImageOptions(), tool_call_parser: str = "auto",
+               reasoning_parser: str = "auto") -> FastAPI:
     """The app for `service` (or the ServiceSlot it will be put in once loaded). `template`: a LLaMA2-Accessory
     conversation template for chat (default: the model's own chat template). A body over `max_request_bytes` (default:
     8 MB, plus one image at `images`' limit for a model that reads them) is refused with 413 before it is read whole;
@@ -38,11 +39,12 @@ def create_app(service: Union[GenerationService, ServiceSlot, None], model_name:
     completion's prompt too, unless `special_tokens_in_prompt`. A stream silent for `keepalive_s` seconds sends an
     SSE comment. A vision-language model takes one image per chat request, read as `images` says. A chat reply to
     a request with tools is read for calls in `tool_call_parser`'s format (tool_calls.py: a name, or "auto": the
-    one the chat template writes). /health and /metrics need no API key."""
+    one the chat template writes), and its reasoning kept apart by `reasoning_parser`'s markers (reasoning.py: a
+    name, "none", or "auto": <think> if the chat template writes it). /health and /metrics need no API key."""
     slot = service if isinstance(service, ServiceSlot) else ServiceSlot(service)
     app = FastAPI(title="accessory", docs_url=None, redoc_url=None, exception_handlers=ERROR_HANDLERS)
     app.state.served = Served(slot, model_name, template, special_tokens_in_prompt, images,  # for the routes
-                              tool_call_parser)
+                              tool_call_parser, reasoning_parser)
     app.state.keepalive_s = keepalive_s  # for streaming.respond
     app.state.api_key = api_key  # for authenticate
     # each middleware added wraps those before it: a request passes request_id, authenticate, BodyLimit, Utf8Body

@@ -13,6 +13,7 @@ from fastapi import Request
 
 from accessory.generation.requests import Event
 from accessory.serve.service import GenerationService, Handle
+from accessory.text.reasoning import ReasoningFormat, ReasoningStream, split_reasoning
 from accessory.text.tool_calls import CallFormat, CallStream, parse
 
 
@@ -56,12 +57,15 @@ class ToolReading:
 
 class Chat:
     """How /v1/chat/completions words its answers: whole choices, streamed chunks, and log-probs; with `calls`, a
-    reply's tool calls as `tool_calls` (finish_reason "tool_calls"), their markup kept out of the content."""
+    reply's tool calls as `tool_calls` (finish_reason "tool_calls"), their markup kept out of the content; with
+    `reasoning` (its markers, and whether the prompt opened the block), the reply's reasoning as
+    `reasoning_content`, the calls read in the answer after it."""
     prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, tokenizer, calls: Optional[ToolReading] = None):
-        self.tokenizer, self.calls = tokenizer, calls
-        self.streams: dict[int, CallStream] = {}  # each streamed choice's reader of calls
+    def __init__(self, tokenizer, calls: Optional[ToolReading] = None,
+                 reasoning: Optional[tuple[ReasoningFormat, bool]] = None):
+        self.tokenizer, self.calls, self.reasoning = tokenizer, calls, reasoning
+        self.streams: dict[int, tuple] = {}  # each streamed choice's readers: of reasoning, and of calls
 
     def echoed(self, index: int) -> str:
         return ""  # chat never repeats the prompt
@@ -71,12 +75,14 @@ class Chat:
 
     def choice(self, index: int, text: str, finish: Optional[str], logprobs: Optional[list]) -> dict:
         message = {"role": "assistant", "content": text}
+        if self.reasoning is not None:
+            thought, text = split_reasoning(text, *self.reasoning, final=True)
+            message = {"role": "assistant", "content": text, "reasoning_content": thought or None}
         if self.calls is not None:
             content, calls = parse(text, self.calls.format, self.calls.tools)
             if calls:
                 calls = calls if self.calls.parallel else calls[:1]
-                message = {"role": "assistant", "content": content or None,
-                           "tool_calls": [call.openai() for call in calls]}
+                message = {**message, "content": content or None, "tool_calls": [call.openai() for call in calls]}
                 finish = "tool_calls" if finish == "stop" else finish
         return {"index": index, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
 
@@ -87,15 +93,19 @@ class Chat:
 
     def chunk_choice(self, index: int, delta: str, finish: Optional[str], logprobs: Optional[list],
                      first: bool = False) -> dict:
-        calls = []
-        if self.calls is not None:  # the content that cannot be a call's markup, and the calls' pieces
-            stream = self.streams.setdefault(index, CallStream(self.calls.format, self.calls.tools))
-            delta, calls = stream.finish() if finish is not None else stream.feed(delta)
+        thinking, reading = self.streams.setdefault(index, (
+            self.reasoning and ReasoningStream(*self.reasoning),
+            self.calls and CallStream(self.calls.format, self.calls.tools)))
+        thought, calls = "", []
+        if thinking is not None:  # the reasoning, and the answer after it
+            thought, delta = _read(thinking, delta, finish)
+        if reading is not None:  # the content that cannot be a call's markup, and the calls' pieces
+            (delta, calls) = _read(reading, delta, finish)
             calls = calls if self.calls.parallel else [call for call in calls if call["index"] == 0]
-            finish = "tool_calls" if finish == "stop" and stream.call_count else finish
-        fields = {"content": delta} if delta else {}
-        return {"index": index, "delta": {**fields, "tool_calls": calls} if calls else fields,
-                "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+            finish = "tool_calls" if finish == "stop" and reading.call_count else finish
+        fields = {"reasoning_content": thought} if thought else {}
+        fields.update({"content": delta} if delta else {}, **({"tool_calls": calls} if calls else {}))
+        return {"index": index, "delta": fields, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
 
     def logprobs(self, entries: Optional[list]) -> Optional[dict]:
         if entries is None:
@@ -106,6 +116,15 @@ class Chat:
     def _token(self, token: int, logprob: float) -> dict:
         text = self.tokenizer.token_text(token)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _read(stream, piece: str, finish: Optional[str]) -> tuple:
+    """What a stream reader has to send after `piece`; once the reply has finished, everything it held back."""
+    news = stream.feed(piece)
+    if finish is None:
+        return news
+    rest = stream.finish()
+    return news[0] + rest[0], news[1] + rest[1]
 
 
 class Completion(Chat):

@@ -21,7 +21,8 @@ from accessory.serve.service import FieldError, GenerationService, Handle, Queue
 from accessory.serve.streaming import respond
 from accessory.serve.validation import (chat_messages, chat_tools, check_common, check_model, check_text,
                                         check_token_ids, constraint_field, forced_calls, prompt_list, sampling_of,
-                                        stops)
+                                        stops, template_kwargs)
+from accessory.text.reasoning import opens_reasoning, reasoning_format
 from accessory.text.tool_calls import call_format, forced_format
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
@@ -50,6 +51,7 @@ class Served:
     special_tokens_in_prompt: bool
     images: ImageOptions
     tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
 
 
 async def app_served(request: Request) -> Served:
@@ -137,15 +139,18 @@ async def chat_completions(body: ChatRequest, request: Request, served: AppServe
         raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
     sampling = sampling_of(body, limit, (top or 0) if body.logprobs else None)
 
+    context = template_kwargs(body)
+
     def make(loop):  # in a worker thread: decoding an image takes time too
         pixels = image and image_pixels(service.model, image, served.images)
-        return service.submit_chat(messages, sampling, served.template, stops(body), loop, tools=tools, image=pixels,
-                                   **options, **labels(request, body))
+        return service.submit_chat(messages, sampling, served.template, stops(body), loop, tools=tools,
+                                   context=context, image=pixels, **options, **labels(request, body))
 
     reading = tool_reading(body, tools, service, served, options)
     handle = await submit(make, body)
-    return await respond(Chat(service.model.tokenizer, reading), body, handle, request,
-                         head(body.model, service, handle, request))
+    thinking = reasoning_format(served.reasoning_parser, service.model.tokenizer.chat_template_text)
+    shape = Chat(service.model.tokenizer, reading, thinking and (thinking, opens_reasoning(handle.prompt, thinking)))
+    return await respond(shape, body, handle, request, head(body.model, service, handle, request))
 
 
 @router.post("/tokenize")

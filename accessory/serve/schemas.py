@@ -108,6 +108,7 @@ class ChatRequest(SamplingFields):
     tools: Optional[list[Tool]] = None
     tool_choice: Union[None, str, dict] = None
     parallel_tool_calls: Optional[bool] = None
+    chat_template_kwargs: Optional[dict] = None
 
 
 class TokenizeRequest(Strict):

@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 def serve(load: Callable[[], object], host: str = "127.0.0.1", port: int = 8000, model_name: str = "default",
           api_key: Optional[str] = None, template: Optional[str] = None, max_queue: int = 64,
           grace_s: float = 30.0, max_request_bytes: Optional[int] = None, special_tokens_in_prompt: bool = False,
-          keepalive_s: float = 10.0, images=None, tool_call_parser: str = "auto") -> None:
+          keepalive_s: float = 10.0, images=None, tool_call_parser: str = "auto",
+          reasoning_parser: str = "auto") -> None:
     """Load the model with `load()` (on every rank) and serve it until SIGTERM or SIGINT (then finish what runs,
     for up to grace_s, and return on every rank). `images`: how chat messages' images are read (an
     `images.ImageOptions`; default: its defaults)."""
@@ -31,10 +32,11 @@ def serve(load: Callable[[], object], host: str = "127.0.0.1", port: int = 8000,
         server, thread = _start_http(slot, host, port, model_name, api_key, template,
                                      dict(max_request_bytes=max_request_bytes, keepalive_s=keepalive_s,
                                           special_tokens_in_prompt=special_tokens_in_prompt,
-                                          images=images or ImageOptions(), tool_call_parser=tool_call_parser))
+                                          images=images or ImageOptions(), tool_call_parser=tool_call_parser,
+                                          reasoning_parser=reasoning_parser))
     model = load()
     if server is not None:
-        log_tool_calls(model, tool_call_parser)
+        log_tool_calls(model, tool_call_parser, reasoning_parser)
     slot.phase = "compiling"
     model.warm_up()  # with --compile: every graph before /health says ok (a no-op without)
     service = GenerationService(model, max_queue=max_queue, grace_s=grace_s, metrics=True)
@@ -57,9 +59,14 @@ def serve(load: Callable[[], object], host: str = "127.0.0.1", port: int = 8000,
                            f"above")
 
 
-def log_tool_calls(model, parser: str) -> None:
+def log_tool_calls(model, parser: str, reasoning_parser: str) -> None:
+    from accessory.text.reasoning import reasoning_format
     from accessory.text.tool_calls import call_format
 
+    thinking = reasoning_format(reasoning_parser, model.tokenizer.chat_template_text)
+    if thinking is not None:
+        log.info("reasoning: %s ... %s kept apart as reasoning_content (%s)", thinking.start, thinking.end,
+                 "--reasoning-parser" if reasoning_parser != "auto" else "the chat template's markers")
     fmt = call_format(parser, model.tokenizer.chat_template_text)
     if fmt is None:
         log.info("tool calls: the chat template writes no format this server reads (--tool-call-parser names one); "

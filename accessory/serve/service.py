@@ -67,6 +67,7 @@ class Handle:
         self._open = count  # completions not yet ended
         self.finished = False
         self.completion_tokens = dict.fromkeys(self.ids, 0)  # what each completion's events have counted so far
+        self.prompt = ""  # a chat request's rendered prompt, which its reply continues
 
     def index(self, event: Event) -> int:
         return self._index[event.id]
@@ -165,12 +166,14 @@ class GenerationService:
 
     def submit_chat(self, messages: list[dict], sampling: Optional[dict] = None, template: Optional[str] = None,
                     stop: Sequence[str] = (), loop: Optional[asyncio.AbstractEventLoop] = None,
-                    tools: Optional[list] = None, **options) -> Handle:
+                    tools: Optional[list] = None, context: Optional[dict] = None, **options) -> Handle:
         """Queue the assistant's reply to OpenAI-style messages, in the model's chat template or a named
         LLaMA2-Accessory conversation template (whose stop symbols are added to `stop`). `tools`: function
-        definitions, for a chat template that writes them."""
-        prompt, template_stops = render_chat(self.model.tokenizer, messages, template, tools)
-        return self.submit(prompt, sampling, [*template_stops, *stop], loop, **options)
+        definitions, for a chat template that writes them; `context`: more variables for the chat template."""
+        prompt, template_stops = render_chat(self.model.tokenizer, messages, template, tools, context)
+        handle = self.submit(prompt, sampling, [*template_stops, *stop], loop, **options)
+        handle.prompt = str(prompt)
+        return handle
 
     def submit_tokens(self, tokens: list[int], sampling: Optional[dict] = None, stop: Sequence[str] = (),
                       loop: Optional[asyncio.AbstractEventLoop] = None, **options) -> Handle:

@@ -181,6 +181,19 @@ def check_part(part: OtherPart, model: type[BaseModel], where: str) -> None:
         raise APIError(400, f"{field}: {message}", param=field) from None
 
 
+TEMPLATE_NAMES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")  # the server's to set
+
+
+def template_kwargs(body: ChatRequest) -> Optional[dict]:
+    """chat_template_kwargs: more variables for the chat template ({"enable_thinking": false}), named as Jinja
+    names, none of those the server sets."""
+    for key in body.chat_template_kwargs or {}:
+        if not key.isidentifier() or key in TEMPLATE_NAMES:
+            raise APIError(400, f"chat_template_kwargs: {key[:100]!r} is not a name a request may set (a Python "
+                           f"identifier, none of {', '.join(TEMPLATE_NAMES)})", param="chat_template_kwargs")
+    return body.chat_template_kwargs or None
+
+
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 
 

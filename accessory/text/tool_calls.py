@@ -202,7 +202,7 @@ def scan(text: str, fmt: CallFormat, final: bool, tools: Optional[Collection[str
     while True:
         found = text.find(fmt.start, pos)
         if found < 0:
-            rest = text[pos:] if final else text[pos:len(text) - _held(text[pos:], fmt.start)]
+            rest = text[pos:] if final else text[pos:len(text) - held_marker(text[pos:], fmt.start)]
             _add(out, rest if final and not out.calls else rest.rstrip())
             return out
         _add(out, text[pos:found].rstrip())
@@ -252,7 +252,7 @@ def _drop_unnamed(calls: list) -> None:
         calls.pop()
 
 
-def _held(text: str, marker: str) -> int:
+def held_marker(text: str, marker: str) -> int:
     """How many characters at the end of `text` begin `marker` (held back: they may be its start)."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):

@@ -192,3 +192,71 @@ def test_a_tool_choice_that_cannot_be_met_is_a_400_naming_the_field(client, fiel
             **fields}
     answer = client.post("/v1/chat/completions", json=body)
     assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+
+
+# ---- reasoning -----------------------------------------------------------------------------------------------------
+
+THOUGHT = "The user asks for a city."
+
+
+@pytest.fixture(scope="module")
+def thinking(smollm2_checkpoint):
+    """The built-in model with a template that opens a reasoning block (tests/data/chat_templates/thinking-tools)."""
+    from starlette.testclient import TestClient
+
+    from accessory.model.meta import MetaModel
+    from accessory.serve.api import create_app
+    from accessory.serve.service import GenerationService
+
+    model = MetaModel.from_pretrained(smollm2_checkpoint, max_seq_len=512)
+    model.tokenizer.set_chat_template(REPO / "tests/data/chat_templates/thinking-tools.jinja")
+    service = GenerationService(model, heartbeat_s=0.2)
+    runner = threading.Thread(target=service.run, daemon=True)
+    runner.start()
+    with TestClient(create_app(service, "smol")) as client, \
+            TestClient(create_app(service, "smol", reasoning_parser="none")) as plain:
+        yield client, plain
+    service.shutdown()
+    runner.join(timeout=30)
+
+
+def think(client, reply: str, stream: bool = False, **fields):
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Which city?"}], "max_tokens": 80,
+            "guided_regex": re.escape(reply), "stream": stream, **fields}
+    if not stream:
+        answer = client.post("/v1/chat/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["choices"][0]
+    deltas = {"reasoning_content": "", "content": ""}
+    with client.stream("POST", "/v1/chat/completions", json=body) as answer:
+        for line in answer.iter_lines():
+            if line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                for key in deltas:
+                    deltas[key] += delta.get(key) or ""
+    return deltas
+
+
+def test_reasoning_goes_apart_from_the_answer_whole_and_streamed(thinking):
+    client, plain = thinking
+    reply = THOUGHT + "\n</think>\n\nParis."
+    message = think(client, reply)["message"]
+    assert (message["reasoning_content"], message["content"]) == (THOUGHT, "Paris.")
+    assert think(client, reply, stream=True) == {"reasoning_content": THOUGHT, "content": "Paris."}
+    assert think(plain, reply)["message"]["content"] == reply  # --reasoning-parser none
+
+
+def test_chat_template_kwargs_reach_the_template(thinking):
+    client, _ = thinking
+    message = think(client, "Paris.", chat_template_kwargs={"enable_thinking": False})["message"]
+    assert message["content"] == "Paris." and message["reasoning_content"] is None
+    answer = client.post("/v1/chat/completions", json={"model": "smol", "messages": [{"role": "user", "content": "x"}],
+                                                       "chat_template_kwargs": {"messages": []}})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_calls_are_read_in_the_answer_after_the_reasoning(thinking):
+    client, _ = thinking
+    choice = think(client, THOUGHT + "\n</think>\n\n" + CALL, tools=TOOLS)
+    assert choice["message"]["reasoning_content"] == THOUGHT and choice["finish_reason"] == "tool_calls"
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]

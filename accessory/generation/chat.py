@@ -1,8 +1,12 @@
-"""OpenAI-style messages -> one prompt string and the stop strings that end the assistant's turn."""
+"""OpenAI-style messages -> one prompt string and the stop strings that end the assistant's turn; and a reply read
+back: its reasoning, its content and its tool calls."""
 from __future__ import annotations
 
 import logging
 from typing import Optional
+
+from accessory.text.reasoning import ReasoningFormat, split_reasoning
+from accessory.text.tool_calls import ToolReading, parse
 
 log = logging.getLogger(__name__)
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -21,6 +25,30 @@ def check_messages(messages: list[dict]) -> None:
     if messages[-1]["role"] == "system" or messages[-1]["role"] == "developer":
         raise ValueError(f"the last message must be the user's, a tool's, or an assistant's to continue; got "
                          f"{messages[-1]['role']!r}")
+
+
+class ChatReply(str):
+    """A chat reply: the text the model wrote (this string), and read from it its `reasoning` (None without),
+    `content` (None when the reply is only calls) and `tool_calls` (text/tool_calls.py ToolCall)."""
+    reasoning: Optional[str] = None
+    content: Optional[str] = None
+    tool_calls: tuple = ()
+
+
+def read_reply(text: str, reasoning: Optional[tuple[ReasoningFormat, bool]] = None,
+               calls: Optional[ToolReading] = None) -> ChatReply:
+    """`text` read for its reasoning (`reasoning`: the markers, and whether the prompt opened the block) and, in the
+    answer after it, its tool calls (`calls`); None of either: not read for it."""
+    reply, answer = ChatReply(text), text
+    if reasoning is not None:
+        thought, answer = split_reasoning(text, *reasoning, final=True)
+        reply.reasoning = thought or None
+    reply.content = answer
+    if calls is not None:
+        content, found = parse(answer, calls.format, calls.tools)
+        if found:
+            reply.content, reply.tool_calls = content or None, tuple(found if calls.parallel else found[:1])
+    return reply
 
 
 def with_image_placeholder(messages: list[dict]) -> list[dict]:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from accessory.errors import AccessoryError, ConfigError
-from accessory.generation.chat import render_chat
+from accessory.generation.chat import ChatReply, read_reply, render_chat
 from accessory.generation.engine import Engine, EngineSettings
 from accessory.generation.sampling import SamplingParams
 from accessory.generation.requests import Event
@@ -20,7 +20,9 @@ from accessory.parallel import ParallelContext
 from accessory.runtime import prompts, scoring
 from accessory.runtime.load_options import LoadOptions, PathLike
 from accessory.runtime.loading import load
+from accessory.text.reasoning import opens_reasoning, reasoning_format
 from accessory.text.tokenizer import Tokenizer
+from accessory.text.tool_calls import ToolReading, call_format
 
 log = logging.getLogger(__name__)
 
@@ -199,24 +201,43 @@ class MetaModel(nn.Module):
                                                 additional_stop_symbols, seed, truncate), batch)
 
     def chat(self, messages: list[dict], max_gen_len: int = 512, temperature: float = 0.0, top_p: float = 0.95,
-             seed: Optional[int] = None, *, template: Optional[str] = None, **options) -> str:
-        """The assistant's reply to OpenAI-style messages ([{"role": "system"|"user"|"assistant", "content"}]).
+             seed: Optional[int] = None, *, template: Optional[str] = None, tools: Optional[list[dict]] = None,
+             chat_template_kwargs: Optional[dict] = None, **options) -> ChatReply:
+        """The assistant's reply to OpenAI-style messages ([{"role": "system"|"user"|"assistant", "content"}]): the
+        text it wrote (a str), read for its `reasoning`, `content` and `tool_calls` (generation/chat.py ChatReply)
+        in the formats the chat template writes, as the server reads them.
 
         `template`: None uses the model's own chat template (or LLaMA2-Accessory's default conversation if it has
         none); a name from `accessory.data.conversation.conv_templates` uses that one, with its stop symbols.
-        `image=` (a vision-language model): the conversation's image; it goes where a message's content says
-        "<image>", or after BOS.
+        `tools`: OpenAI's function definitions, for a chat template that writes them. `chat_template_kwargs`: more
+        variables for the chat template ({"enable_thinking": False}). `image=` (a vision-language model): the
+        conversation's image; it goes where a message's content says "<image>", or after BOS.
         """
+        names = [tool.get("function", {}).get("name") if isinstance(tool, dict) else None for tool in tools or ()]
+        if not all(isinstance(name, str) for name in names):
+            raise ValueError(f"tools: each must be {{'type': 'function', 'function': {{'name': str, ...}}}}, got "
+                             f"{tools!r:.200}")
+        prompt, stops = render_chat(self.tokenizer, messages, template, tools, chat_template_kwargs)
         text = ""
-        for event in self.stream_chat(messages, max_gen_len, temperature, top_p, seed, template=template, **options):
+        for event in self._chat_events(prompt, stops, max_gen_len, temperature, top_p, seed, **options):
             text = event.text
-        return text
+        template_text = self.tokenizer.chat_template_text if template is None else ""
+        thinking = reasoning_format("auto", template_text)
+        fmt = call_format("auto", template_text) if tools else None
+        return read_reply(text, thinking and (thinking, opens_reasoning(prompt, thinking)),
+                          fmt and ToolReading(fmt, frozenset(names)))
 
     def stream_chat(self, messages: list[dict], max_gen_len: int = 512, temperature: float = 0.0, top_p: float = 0.95,
-                    seed: Optional[int] = None, *, template: Optional[str] = None,
-                    additional_stop_symbols: Sequence[str] = (), image=None, **options) -> Iterator[Event]:
-        """`chat`, streamed as `stream_generate` streams one prompt."""
-        prompt, stops = render_chat(self.tokenizer, messages, template)
+                    seed: Optional[int] = None, *, template: Optional[str] = None, tools: Optional[list[dict]] = None,
+                    chat_template_kwargs: Optional[dict] = None, **options) -> Iterator[Event]:
+        """`chat`, streamed as `stream_generate` streams one prompt (the text as written: not read for reasoning
+        or calls)."""
+        prompt, stops = render_chat(self.tokenizer, messages, template, tools, chat_template_kwargs)
+        yield from self._chat_events(prompt, stops, max_gen_len, temperature, top_p, seed, **options)
+
+    def _chat_events(self, prompt: str, stops: list[str], max_gen_len: int, temperature: float, top_p: float,
+                     seed: Optional[int], additional_stop_symbols: Sequence[str] = (), image=None,
+                     **options) -> Iterator[Event]:
         yield from self.stream_generate(prompt, image, max_gen_len, temperature, top_p,
                                         [*stops, *additional_stop_symbols], seed, **options)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import time
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -13,8 +12,9 @@ from fastapi import Request
 
 from accessory.generation.requests import Event
 from accessory.serve.service import GenerationService, Handle
-from accessory.text.reasoning import ReasoningFormat, ReasoningStream, split_reasoning
-from accessory.text.tool_calls import CallFormat, CallStream, parse
+from accessory.generation.chat import read_reply
+from accessory.text.reasoning import ReasoningFormat, ReasoningStream
+from accessory.text.tool_calls import CallStream, ToolReading
 
 
 def head(model_name: str, service: GenerationService, handle: Handle, request: Request) -> dict:
@@ -46,15 +46,6 @@ def usage(handle: Handle, finals) -> dict:
             "total_tokens": handle.prompt_tokens + completion}
 
 
-@dataclass(frozen=True)
-class ToolReading:
-    """How a chat reply is read for tool calls: their format, the request's tools' names, and whether a reply may
-    make several calls (parallel_tool_calls; if not, only its first is kept)."""
-    format: CallFormat
-    tools: frozenset
-    parallel: bool = True
-
-
 class Chat:
     """How /v1/chat/completions words its answers: whole choices, streamed chunks, and log-probs; with `calls`, a
     reply's tool calls as `tool_calls` (finish_reason "tool_calls"), their markup kept out of the content; with
@@ -74,16 +65,13 @@ class Chat:
         return []
 
     def choice(self, index: int, text: str, finish: Optional[str], logprobs: Optional[list]) -> dict:
-        message = {"role": "assistant", "content": text}
+        reply = read_reply(text, self.reasoning, self.calls)
+        message = {"role": "assistant", "content": reply.content}
         if self.reasoning is not None:
-            thought, text = split_reasoning(text, *self.reasoning, final=True)
-            message = {"role": "assistant", "content": text, "reasoning_content": thought or None}
-        if self.calls is not None:
-            content, calls = parse(text, self.calls.format, self.calls.tools)
-            if calls:
-                calls = calls if self.calls.parallel else calls[:1]
-                message = {**message, "content": content or None, "tool_calls": [call.openai() for call in calls]}
-                finish = "tool_calls" if finish == "stop" else finish
+            message["reasoning_content"] = reply.reasoning
+        if reply.tool_calls:
+            message["tool_calls"] = [call.openai() for call in reply.tool_calls]
+            finish = "tool_calls" if finish == "stop" else finish
         return {"index": index, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
 
     def opening(self, index: int) -> Optional[dict]:

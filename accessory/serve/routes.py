@@ -15,7 +15,7 @@ from accessory.generation.chat import render_chat
 from accessory.generation.constraints import ConstraintError
 from accessory.serve.api_errors import APIError
 from accessory.serve.images import ImageOptions, image_pixels
-from accessory.serve.responses import Chat, Completion, ToolReading, head, model_card
+from accessory.serve.responses import Chat, Completion, head, model_card
 from accessory.serve.schemas import ChatRequest, CompletionRequest, DetokenizeRequest, SamplingFields, TokenizeRequest
 from accessory.serve.service import FieldError, GenerationService, Handle, QueueFull, ServiceClosed
 from accessory.serve.streaming import respond
@@ -23,7 +23,7 @@ from accessory.serve.validation import (chat_messages, chat_tools, check_common,
                                         check_token_ids, constraint_field, forced_calls, prompt_list, sampling_of,
                                         stops, template_kwargs)
 from accessory.text.reasoning import opens_reasoning, reasoning_format
-from accessory.text.tool_calls import call_format, forced_format
+from accessory.text.tool_calls import ToolReading, call_format, forced_format
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 

@@ -109,6 +109,15 @@ def call_schema(tool: dict, key: str) -> dict:
             "required": ["name", key], "additionalProperties": False}
 
 
+@dataclass(frozen=True)
+class ToolReading:
+    """How a chat reply is read for tool calls: their format, the request's tools' names, and whether a reply may
+    make several calls (parallel_tool_calls; if not, only its first is kept)."""
+    format: CallFormat
+    tools: frozenset
+    parallel: bool = True
+
+
 @dataclass
 class Call:
     """One call as scanned so far: its name (None until the whole name is read), and its arguments' text so far."""

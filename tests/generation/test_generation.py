@@ -118,6 +118,23 @@ def test_chat_uses_the_models_template_and_stops_at_end_of_turn(smollm2):
     answer = smollm2.chat([{"role": "system", "content": "You answer in one short sentence."},
                            {"role": "user", "content": "What is the capital of France?"}])
     assert "Paris" in answer and "<|im_end|>" not in answer and "<|im_start|>" not in answer
+    assert (answer.content, answer.reasoning, answer.tool_calls) == (answer, None, ())
+
+
+def test_chat_reads_a_reply_for_its_reasoning_and_calls():
+    """What MetaModel.chat and the server read from a reply (generation/chat.py read_reply)."""
+    from accessory.generation.chat import read_reply
+    from accessory.text.reasoning import REASONING_FORMATS
+    from accessory.text.tool_calls import FORMATS, ToolReading
+
+    text = '<think>\nA city.\n</think>\n\nSure.<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>' * 2
+    calls = ToolReading(FORMATS["hermes"], frozenset({"f"}))
+    reply = read_reply(text, (REASONING_FORMATS["qwen3"], False), calls)
+    assert reply == text and reply.reasoning == "A city." and [c.name for c in reply.tool_calls] == ["f", "f"]
+    assert reply.content.startswith("Sure.") and "<tool_call>" not in reply.content
+    single = read_reply(text, (REASONING_FORMATS["qwen3"], False), ToolReading(calls.format, calls.tools, False))
+    assert len(single.tool_calls) == 1
+    assert read_reply("Paris.").content == "Paris." and read_reply("Paris.").reasoning is None
 
 
 # ---- sampling, seeds, ranks -------------------------------------------------------------------------------------

@@ -260,3 +260,12 @@ def test_calls_are_read_in_the_answer_after_the_reasoning(thinking):
     choice = think(client, THOUGHT + "\n</think>\n\n" + CALL, tools=TOOLS)
     assert choice["message"]["reasoning_content"] == THOUGHT and choice["finish_reason"] == "tool_calls"
     assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
+
+
+def test_a_required_call_where_the_prompt_opened_reasoning_is_read_as_the_answer(thinking):
+    client, _ = thinking
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Which city?"}], "max_tokens": 80,
+            "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+    assert message.get("reasoning_content") is None and message["content"] is None

@@ -158,7 +158,7 @@ class CallStream:
     OpenAI's tool-call deltas (a call's index, id and name first, then its arguments in pieces)."""
 
     def __init__(self, fmt: CallFormat, tools: Optional[Collection[str]] = None):
-        self.fmt, self.tools, self.text = fmt, tools, ""
+        self.fmt, self.tools, self.text, self.memo = fmt, tools, "", {}
         self.content_sent = 0
         self.sent: list[tuple[str, int]] = []  # each call begun: its id, and how much of its arguments went out
 
@@ -168,10 +168,10 @@ class CallStream:
 
     def feed(self, piece: str) -> tuple[str, list[dict]]:
         self.text += piece
-        return self._news(scan(self.text, self.fmt, final=False, tools=self.tools))
+        return self._news(scan(self.text, self.fmt, final=False, tools=self.tools, memo=self.memo))
 
     def finish(self) -> tuple[str, list[dict]]:
-        return self._news(scan(self.text, self.fmt, final=True, tools=self.tools))
+        return self._news(scan(self.text, self.fmt, final=True, tools=self.tools, memo=self.memo))
 
     def _news(self, scanned: Scanned) -> tuple[str, list[dict]]:
         content = scanned.content[self.content_sent:]
@@ -193,6 +193,17 @@ class CallStream:
 
 # ---- the scan --------------------------------------------------------------------------------------------------
 
+@dataclass
+class _Scan:
+    """One scan's settings and findings: the format, whether the text is the whole reply, the calls found, and a
+    stream's memo of how far each JSON value was read (its start -> where the reading stopped, its depth, whether
+    inside a string), so that a stream reads each character of a long value once."""
+    fmt: CallFormat
+    final: bool
+    calls: list = field(default_factory=list)
+    memo: Optional[dict] = None
+
+
 class _Incomplete(Exception):
     """The text ends before the scan could decide."""
 
@@ -201,12 +212,14 @@ class _NotACall(Exception):
     """The text is not a call where a call was to be."""
 
 
-def scan(text: str, fmt: CallFormat, final: bool, tools: Optional[Collection[str]] = None) -> Scanned:
+def scan(text: str, fmt: CallFormat, final: bool, tools: Optional[Collection[str]] = None,
+         memo: Optional[dict] = None) -> Scanned:
     """The content and calls of `text`, a whole reply (`final`) or its prefix so far; on a prefix, the content
     leaves out what may still become markup (and blank space a call may follow), and a call's arguments are what is
-    certain of them. A reply cut short inside a call keeps the call as far as it goes."""
+    certain of them. A reply cut short inside a call keeps the call as far as it goes. `memo`: a stream's, kept
+    between the scans of its growing text."""
     if fmt.whole:
-        return _scan_whole(text, fmt, final, tools)
+        return _scan_whole(text, _Scan(fmt, final, memo=memo), tools)
     out, pos = Scanned(), 0
     while True:
         found = text.find(fmt.start, pos)
@@ -217,7 +230,7 @@ def scan(text: str, fmt: CallFormat, final: bool, tools: Optional[Collection[str
         _add(out, text[pos:found].rstrip())
         before = len(out.calls)
         try:
-            pos = _block(text, found + len(fmt.start), fmt, final, out.calls)
+            pos = _block(text, found + len(fmt.start), _Scan(fmt, final, out.calls, memo))
             continue
         except _Incomplete:
             if not final or _named_first(out.calls, before):
@@ -269,39 +282,38 @@ def held_marker(text: str, marker: str) -> int:
     return 0
 
 
-def _block(text: str, i: int, fmt: CallFormat, final: bool, calls: list) -> int:
-    """Scan the calls after one `start` marker at i into `calls`; where the text after them goes on."""
-    if fmt.body == LIST:
+def _block(text: str, i: int, s: _Scan) -> int:
+    """Scan the calls after one `start` marker at i into `s.calls`; where the text after them goes on."""
+    if s.fmt.body == LIST:
         i = _skip(text, i)
-        return _named(text, i, fmt, final, calls) if text[i] != "[" and fmt.named else _list(text, i, fmt, final,
-                                                                                              calls)
-    i = _objects(text, i, fmt, final, calls)
-    if fmt.end:
-        end = text.find(fmt.end, i)
+        return _named(text, i, s) if text[i] != "[" and s.fmt.named else _list(text, i, s)
+    i = _objects(text, i, s)
+    if s.fmt.end:
+        end = text.find(s.fmt.end, i)
         if end < 0:
             raise _Incomplete
-        return end + len(fmt.end)
+        return end + len(s.fmt.end)
     return i
 
 
-def _scan_whole(text: str, fmt: CallFormat, final: bool, tools: Optional[Collection[str]]) -> Scanned:
+def _scan_whole(text: str, s: _Scan, tools: Optional[Collection[str]]) -> Scanned:
     """A reply that is either calls and nothing else (what follows them is dropped), or content."""
+    fmt, final, calls = s.fmt, s.final, s.calls
     i = len(text) - len(text.lstrip())
     if fmt.start and text.startswith(fmt.start, i):
         i += len(fmt.start)
     elif not final and fmt.start.startswith(text[i:]):
         return Scanned()  # blank, or the start of the marker: undecided
-    calls = []
     try:
         i = _skip(text, i)
         if text[i] != ("{" if fmt.body == OBJECT else "["):
             raise _NotACall
         if fmt.body == PYTHON:
-            _python_list(text, i, final, calls)
+            _python_list(text, i, s)
         elif fmt.body == LIST:
-            _list(text, i, fmt, final, calls)
+            _list(text, i, s)
         else:
-            _objects(text, i, fmt, final, calls)
+            _objects(text, i, s)
     except _Incomplete:
         if not calls or calls[0].name is None:
             return Scanned(text if final else "")
@@ -316,7 +328,7 @@ def _scan_whole(text: str, fmt: CallFormat, final: bool, tools: Optional[Collect
 
 # ---- JSON call objects -----------------------------------------------------------------------------------------
 
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_STRING_REST = re.compile(r'(?:[^"\\]|\\.)*', re.S)  # a string's characters up to its closing quote
 _STRUCTURE = re.compile(r'["{}\[\]]')
 _SCALAR_END = re.compile(r'[\s,}\]]')
 
@@ -330,40 +342,43 @@ def _skip(text: str, i: int) -> int:
     return i
 
 
-def _value_end(text: str, i: int, final: bool) -> Optional[int]:
+def _value_end(text: str, i: int, s: _Scan) -> Optional[int]:
     """Where the JSON value at i ends (strings and brackets matched, nothing else checked), or None if the text
-    ends first."""
-    if text[i] == '"':
-        match = _STRING.match(text, i)
-        return match.end() if match else None
-    if text[i] in "{[":
-        depth, j = 0, i
-        while True:
+    ends first (a stream's scan then notes in `s.memo` how far it read, and the next one goes on from there)."""
+    if text[i] not in '"{[':
+        match = _SCALAR_END.search(text, i)
+        return match.start() if match else (len(text) if s.final else None)
+    j, depth, in_string = s.memo.get(i, (i, 0, False)) if s.memo is not None else (i, 0, False)
+    while True:
+        if in_string:
+            j = _STRING_REST.match(text, j).end()
+            if j == len(text) or text[j] != '"':  # the text ends inside the string (or inside an escape)
+                break
+            j, in_string = j + 1, False
+        else:
             match = _STRUCTURE.search(text, j)
             if match is None:
-                return None
-            j = match.start()
-            if text[j] == '"':
-                string_match = _STRING.match(text, j)
-                if string_match is None:
-                    return None
-                j = string_match.end()
+                j = len(text)
+                break
+            j = match.end()
+            if match.group() == '"':
+                in_string = True
                 continue
-            depth += 1 if text[j] in "{[" else -1
-            j += 1
-            if depth == 0:
-                return j
-    match = _SCALAR_END.search(text, i)
-    return match.start() if match else (len(text) if final else None)
+            depth += 1 if match.group() in "{[" else -1
+        if depth == 0:
+            return j
+    if s.memo is not None:
+        s.memo[i] = (j, depth, in_string)
+    return None
 
 
-def _object(text: str, i: int, fmt: CallFormat, final: bool, calls: list) -> int:
-    """Scan one call object at i (after blank space) into `calls`; where it ends."""
+def _object(text: str, i: int, s: _Scan) -> int:
+    """Scan one call object at i (after blank space) into `s.calls`; where it ends."""
     i = _skip(text, i)
     if text[i] != "{":
         raise _NotACall
     call = Call()
-    calls.append(call)
+    s.calls.append(call)
     arguments = None  # (start, end) of the arguments' value
     i += 1
     while True:
@@ -375,7 +390,7 @@ def _object(text: str, i: int, fmt: CallFormat, final: bool, calls: list) -> int
             continue
         if text[i] != '"':
             raise _NotACall
-        key_end = _value_end(text, i, final)
+        key_end = _value_end(text, i, s)
         if key_end is None:
             raise _Incomplete
         key = _json(text[i:key_end])
@@ -383,7 +398,7 @@ def _object(text: str, i: int, fmt: CallFormat, final: bool, calls: list) -> int
         if text[i] != ":":
             raise _NotACall
         i = _skip(text, i + 1)
-        end = _value_end(text, i, final)
+        end = _value_end(text, i, s)
         if key == "name":
             if end is None:
                 raise _Incomplete
@@ -391,7 +406,7 @@ def _object(text: str, i: int, fmt: CallFormat, final: bool, calls: list) -> int
             if not isinstance(name, str) or not name:
                 raise _NotACall
             call.name = name
-        elif key in fmt.argument_keys:
+        elif key in s.fmt.argument_keys:
             arguments = (i, end)
         if call.name is not None and arguments is not None:
             call.arguments = _arguments(text, *arguments)
@@ -430,19 +445,19 @@ def _json(text: str):
         raise _NotACall from None
 
 
-def _objects(text: str, i: int, fmt: CallFormat, final: bool, calls: list) -> int:
-    """Call objects at i, `fmt.separator` between them; where the last ends."""
+def _objects(text: str, i: int, s: _Scan) -> int:
+    """Call objects at i, `s.fmt.separator` between them; where the last ends."""
     while True:
-        i = _object(text, i, fmt, final, calls)
+        i = _object(text, i, s)
         j = i
         while j < len(text) and text[j].isspace():
             j += 1
-        if not fmt.separator or not text.startswith(fmt.separator, j):
+        if not s.fmt.separator or not text.startswith(s.fmt.separator, j):
             return i
-        i = j + len(fmt.separator)
+        i = j + len(s.fmt.separator)
 
 
-def _list(text: str, i: int, fmt: CallFormat, final: bool, calls: list) -> int:
+def _list(text: str, i: int, s: _Scan) -> int:
     """A JSON list of call objects at i; where it ends."""
     if text[i] != "[":
         raise _NotACall
@@ -451,29 +466,29 @@ def _list(text: str, i: int, fmt: CallFormat, final: bool, calls: list) -> int:
         i = _skip(text, i)
         if text[i] == "]":
             return i + 1
-        if text[i] == "," and calls:
+        if text[i] == "," and s.calls:
             i += 1
             continue
-        i = _object(text, i, fmt, final, calls)
+        i = _object(text, i, s)
 
 
 _NAME = re.compile(r"[A-Za-z_][\w.\-]*")
 
 
-def _named(text: str, i: int, fmt: CallFormat, final: bool, calls: list) -> int:
-    """`name` + fmt.named + arguments at i (Mistral's newer form); where the arguments end."""
+def _named(text: str, i: int, s: _Scan) -> int:
+    """`name` + s.fmt.named + arguments at i (Mistral's newer form); where the arguments end."""
     match = _NAME.match(text, i)
     if match is None:
         raise _NotACall
     after = match.end()
-    if not text.startswith(fmt.named, after):
-        if fmt.named.startswith(text[after:]):
+    if not text.startswith(s.fmt.named, after):
+        if s.fmt.named.startswith(text[after:]):
             raise _Incomplete
         raise _NotACall
     call = Call(match.group())
-    calls.append(call)
-    start = _skip(text, after + len(fmt.named))
-    end = _value_end(text, start, final)
+    s.calls.append(call)
+    start = _skip(text, after + len(s.fmt.named))
+    end = _value_end(text, start, s)
     call.arguments = _arguments(text, start, end)
     if end is None:
         raise _Incomplete
@@ -485,7 +500,7 @@ def _named(text: str, i: int, fmt: CallFormat, final: bool, calls: list) -> int:
 _PY_TOKEN = re.compile(r"""'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|[()\[\]{}]|['"]""", re.S)
 
 
-def _python_list(text: str, i: int, final: bool, calls: list) -> int:
+def _python_list(text: str, i: int, s: _Scan) -> int:
     """`[f(a=1), g()]` at i: each call whole, its keyword arguments literals, written as JSON."""
     if text[i] != "[":
         raise _NotACall
@@ -494,7 +509,7 @@ def _python_list(text: str, i: int, final: bool, calls: list) -> int:
         i = _skip(text, i)
         if text[i] == "]":
             return i + 1
-        if text[i] == "," and calls:
+        if text[i] == "," and s.calls:
             i += 1
             continue
         match = _NAME.match(text, i)
@@ -506,7 +521,7 @@ def _python_list(text: str, i: int, final: bool, calls: list) -> int:
         end = _python_close(text, j)
         if end is None:
             raise _Incomplete
-        calls.append(Call(match.group(), _python_arguments(text[i:end])))
+        s.calls.append(Call(match.group(), _python_arguments(text[i:end])))
         i = end
 
 

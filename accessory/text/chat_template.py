@@ -16,8 +16,8 @@ from accessory.text.template_sandbox import template_environment
 
 def load_chat_template(folder: Path, config: dict) -> tuple[Optional[jinja2.Template], str, str]:
     """(the template, where it was read, its text): chat_template.jinja if present (newer HF saves; it takes
-    priority, as in  transformers), else the tokenizer_config.json `chat_template`: a string, or HF's [{"name",
-    "template"}] list  whose "default" is used."""
+    priority, as in transformers), else the tokenizer_config.json `chat_template`: a string, or HF's [{"name",
+    "template"}] list whose "default" is used."""
     jinja_path, source = folder / "chat_template.jinja", folder / "tokenizer_config.json"
     template = config.get("chat_template")
     if jinja_path.is_file():

@@ -10,9 +10,9 @@ from typing import Optional, Sequence
 import torch
 from fastapi import Request
 
+from accessory.generation.chat import read_reply
 from accessory.generation.requests import Event
 from accessory.serve.service import GenerationService, Handle
-from accessory.generation.chat import read_reply
 from accessory.text.reasoning import ReasoningFormat, ReasoningStream
 from accessory.text.tool_calls import CallStream, ToolReading
 
@@ -88,7 +88,7 @@ class Chat:
         if thinking is not None:  # the reasoning, and the answer after it
             thought, delta = _read(thinking, delta, finish)
         if reading is not None:  # the content that cannot be a call's markup, and the calls' pieces
-            (delta, calls) = _read(reading, delta, finish)
+            delta, calls = _read(reading, delta, finish)
             calls = calls if self.calls.parallel else [call for call in calls if call["index"] == 0]
             finish = "tool_calls" if finish == "stop" and reading.call_count else finish
         fields = {"reasoning_content": thought} if thought else {}

@@ -149,9 +149,9 @@ async def chat_completions(body: ChatRequest, request: Request, served: AppServe
     reading = tool_reading(body, tools, service, served, options)
     handle = await submit(make, body)
     # a reply held to calls starts with them, even where the prompt opened a reasoning block: it is all answer
-    thinking = (reasoning_format(served.reasoning_parser, service.model.tokenizer.chat_template_text)
-                if reading is None or options["constraint"] is None or options["constraint"].kind != "tool_calls"
-                else None)
+    forced = options["constraint"] is not None and options["constraint"].kind == "tool_calls"
+    thinking = None if forced else reasoning_format(served.reasoning_parser,
+                                                    service.model.tokenizer.chat_template_text)
     shape = Chat(service.model.tokenizer, reading, thinking and (thinking, opens_reasoning(handle.prompt, thinking)))
     return await respond(shape, body, handle, request, head(body.model, service, handle, request))
 

@@ -208,12 +208,13 @@ def chat_tools(body: ChatRequest) -> Optional[list[dict]]:
         if not isinstance(tool["function"].get("parameters", {}), dict):
             raise APIError(400, f"tools.{i}.function.parameters: a JSON schema object, got "
                            f"{type(tool['function']['parameters']).__name__}", param=f"tools.{i}.function.parameters")
-    choice = tool_choice(body, [tool["function"]["name"] for tool in tools])
-    return tools if tools and choice != "none" else None
+    mode, _ = tool_choice(body, [tool["function"]["name"] for tool in tools])
+    return tools if tools and mode != "none" else None
 
 
-def tool_choice(body: ChatRequest, names: list[str]) -> str:
-    """"auto" (the default), "none", "required", or the name of the function the reply must call."""
+def tool_choice(body: ChatRequest, names: list[str]) -> tuple[str, Optional[str]]:
+    """(mode, name): "auto" (the default), "none" or "required", or "function" and the name of the function the
+    reply must call."""
     choice = body.tool_choice if body.tool_choice is not None else "auto"
     if isinstance(choice, dict):
         function = choice.get("function")
@@ -224,29 +225,29 @@ def tool_choice(body: ChatRequest, names: list[str]) -> str:
         if name not in names:
             raise APIError(400, f"tool_choice.function.name: {name!r} is not one of the request's tools {names}",
                            param="tool_choice.function.name")
-        return name
+        return "function", name
     if choice not in ("auto", "none", "required"):
         raise APIError(400, f'tool_choice: "auto", "none", "required" or a function, got {choice!r}',
                        param="tool_choice")
     if choice == "required" and not names:
         raise APIError(400, 'tool_choice: "required" needs tools', param="tool_choice")
-    return choice
+    return choice, None
 
 
 def forced_calls(body: ChatRequest, tools: Optional[list[dict]], fmt: CallFormat) -> Optional[Constraint]:
     """A reply that must be calls (tool_choice "required": of any of `tools`; a name: of that one): the constraint
     that holds it to `fmt`'s markup and each tool's parameters schema; None if the reply may be anything."""
-    choice = tool_choice(body, [tool["function"]["name"] for tool in tools or ()])
-    if choice in ("auto", "none"):
+    mode, name = tool_choice(body, [tool["function"]["name"] for tool in tools or ()])
+    if mode in ("auto", "none"):
         return None
     if constraint_fields(body):
         raise APIError(400, f"tool_choice: a required call cannot also be held to {constraint_fields(body)[0]}",
                        param="tool_choice")
-    called = tools if choice == "required" else [tool for tool in tools if tool["function"]["name"] == choice]
+    called = tools if mode == "required" else [tool for tool in tools if tool["function"]["name"] == name]
     for i, tool in enumerate(tools):
         if tool in called:
             check_tool_schema(tool, f"tools.{i}.function.parameters", fmt)
-    several = choice == "required" and body.parallel_tool_calls is not False  # a named function: one call of it
+    several = mode == "required" and body.parallel_tool_calls is not False  # a named function: one call of it
     return Constraint("tool_calls", call_grammar(fmt, called, several, JSON_OPTIONS))
 
 
@@ -254,7 +255,10 @@ def check_tool_schema(tool: dict, field: str, fmt: CallFormat) -> None:
     """A tool's parameters the grammar engine cannot hold a call to is a 400 naming them."""
     import llguidance
 
-    grammar = llguidance.LLMatcher.grammar_from_lark(call_grammar(fmt, [tool], False, JSON_OPTIONS))
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_lark(call_grammar(fmt, [tool], False, JSON_OPTIONS))
+    except RecursionError:
+        raise APIError(400, f"{field}: nested too deeply", param=field) from None
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if failed:
         raise APIError(400, f"{field}: the grammar engine cannot hold a call to this schema: "

@@ -165,6 +165,13 @@ def test_a_named_function_is_called_once_whole_and_streamed(client):
     assert calls[0]["function"]["name"] == "now" and "".join(c["function"]["arguments"] for c in calls) == "{}"
 
 
+def test_a_function_named_like_a_mode_is_still_called(client):
+    tools = [{"type": "function", "function": {"name": "auto", "parameters": {"type": "object", "properties": {}}}}]
+    choice = forced(client, {"type": "function", "function": {"name": "auto"}}, tools=tools)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == [
+        ("auto", "{}")]
+
+
 def test_a_model_whose_calls_are_python_is_held_to_a_json_list_instead(service):
     from starlette.testclient import TestClient
 

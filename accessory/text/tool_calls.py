@@ -309,7 +309,7 @@ def _scan_whole(text: str, s: _Scan, tools: Optional[Collection[str]]) -> Scanne
         if text[i] != ("{" if fmt.body == OBJECT else "["):
             raise _NotACall
         if fmt.body == PYTHON:
-            _python_list(text, i, s)
+            _list(text, i, s, _python_call)
         elif fmt.body == LIST:
             _list(text, i, s)
         else:
@@ -457,8 +457,8 @@ def _objects(text: str, i: int, s: _Scan) -> int:
         i = j + len(s.fmt.separator)
 
 
-def _list(text: str, i: int, s: _Scan) -> int:
-    """A JSON list of call objects at i; where it ends."""
+def _list(text: str, i: int, s: _Scan, item=None) -> int:
+    """A list of calls at i, each read by `item` (default: a JSON call object); where the list ends."""
     if text[i] != "[":
         raise _NotACall
     i += 1
@@ -469,7 +469,7 @@ def _list(text: str, i: int, s: _Scan) -> int:
         if text[i] == "," and s.calls:
             i += 1
             continue
-        i = _object(text, i, s)
+        i = (item or _object)(text, i, s)
 
 
 _NAME = re.compile(r"[A-Za-z_][\w.\-]*")
@@ -500,29 +500,19 @@ def _named(text: str, i: int, s: _Scan) -> int:
 _PY_TOKEN = re.compile(r"""'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|[()\[\]{}]|['"]""", re.S)
 
 
-def _python_list(text: str, i: int, s: _Scan) -> int:
-    """`[f(a=1), g()]` at i: each call whole, its keyword arguments literals, written as JSON."""
-    if text[i] != "[":
+def _python_call(text: str, i: int, s: _Scan) -> int:
+    """One Python call `f(a=1)` at i, whole, its keyword arguments literals written as JSON; where it ends."""
+    match = _NAME.match(text, i)
+    if match is None:
         raise _NotACall
-    i += 1
-    while True:
-        i = _skip(text, i)
-        if text[i] == "]":
-            return i + 1
-        if text[i] == "," and s.calls:
-            i += 1
-            continue
-        match = _NAME.match(text, i)
-        if match is None:
-            raise _NotACall
-        j = _skip(text, match.end())
-        if text[j] != "(":
-            raise _NotACall
-        end = _python_close(text, j)
-        if end is None:
-            raise _Incomplete
-        s.calls.append(Call(match.group(), _python_arguments(text[i:end])))
-        i = end
+    j = _skip(text, match.end())
+    if text[j] != "(":
+        raise _NotACall
+    end = _python_close(text, j)
+    if end is None:
+        raise _Incomplete
+    s.calls.append(Call(match.group(), _python_arguments(text[i:end])))
+    return end
 
 
 def _python_close(text: str, i: int) -> Optional[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -32,19 +33,28 @@ FORECAST = {"type": "object", "properties": {"city": {"type": "string", "maxLeng
 FORCED_TOOLS = [{"type": "function", "function": {"name": "forecast", "parameters": FORECAST}}, TOOLS[1]]
 
 
-@pytest.fixture(scope="module")
-def service(smollm2_checkpoint):
+@contextmanager
+def running(checkpoint, template: str):
+    """A running service on the built-in model with tests/data/chat_templates/`template`.jinja."""
     from accessory.model.meta import MetaModel
     from accessory.serve.service import GenerationService
 
-    model = MetaModel.from_pretrained(smollm2_checkpoint, max_seq_len=512)
-    model.tokenizer.set_chat_template(REPO / "tests/data/chat_templates/qwen2.5-tools.jinja")
+    model = MetaModel.from_pretrained(checkpoint, max_seq_len=512)
+    model.tokenizer.set_chat_template(REPO / f"tests/data/chat_templates/{template}.jinja")
     service = GenerationService(model, heartbeat_s=0.2)
     runner = threading.Thread(target=service.run, daemon=True)
     runner.start()
-    yield service
-    service.shutdown()
-    runner.join(timeout=30)
+    try:
+        yield service
+    finally:
+        service.shutdown()
+        runner.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def service(smollm2_checkpoint):
+    with running(smollm2_checkpoint, "qwen2.5-tools") as service:
+        yield service
 
 
 @pytest.fixture(scope="module")
@@ -211,20 +221,11 @@ def thinking(smollm2_checkpoint):
     """The built-in model with a template that opens a reasoning block (tests/data/chat_templates/thinking-tools)."""
     from starlette.testclient import TestClient
 
-    from accessory.model.meta import MetaModel
     from accessory.serve.api import create_app
-    from accessory.serve.service import GenerationService
 
-    model = MetaModel.from_pretrained(smollm2_checkpoint, max_seq_len=512)
-    model.tokenizer.set_chat_template(REPO / "tests/data/chat_templates/thinking-tools.jinja")
-    service = GenerationService(model, heartbeat_s=0.2)
-    runner = threading.Thread(target=service.run, daemon=True)
-    runner.start()
-    with TestClient(create_app(service, "smol")) as client, \
+    with running(smollm2_checkpoint, "thinking-tools") as service, TestClient(create_app(service, "smol")) as client, \
             TestClient(create_app(service, "smol", reasoning_parser="none")) as plain:
         yield client, plain
-    service.shutdown()
-    runner.join(timeout=30)
 
 
 def think(client, reply: str, stream: bool = False, **fields):

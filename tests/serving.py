@@ -1,16 +1,20 @@
 """A live `accessory serve` for the tests: the built-in model at 3 ranks under torchrun (or what `extra_args` and
-`nproc` say), and the helpers that ask it (the conftest's `server` fixture starts one and shares it)."""
+`nproc` say), and the helpers that ask it (the conftest's `server` fixture starts one and shares it); and a service
+running in the test's own process (`running`), for an app in a TestClient."""
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 
 import httpx
 import openai
 
+from conftest import REPO
 from distributed import free_port
 
 KEY = "test-key-123"
@@ -105,3 +109,21 @@ def streamed_text(stream, chat_chunks: bool = True) -> tuple[str, list[str], str
             pieces.append(piece)
         finish = choice.finish_reason or finish
     return "".join(pieces), pieces, finish
+
+
+@contextmanager
+def running(checkpoint, template: str):
+    """A running service on the built-in model with tests/data/chat_templates/`template`.jinja."""
+    from accessory.model.meta import MetaModel
+    from accessory.serve.service import GenerationService
+
+    model = MetaModel.from_pretrained(checkpoint, max_seq_len=512)
+    model.tokenizer.set_chat_template(REPO / f"tests/data/chat_templates/{template}.jinja")
+    service = GenerationService(model, heartbeat_s=0.2)
+    runner = threading.Thread(target=service.run, daemon=True)
+    runner.start()
+    try:
+        yield service
+    finally:
+        service.shutdown()
+        runner.join(timeout=30)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from accessory.text.reasoning import ReasoningFormat, split_reasoning
-from accessory.text.tool_calls import ToolReading, parse
+from accessory.text.reasoning import ReasoningFormat, ReasoningStream, split_reasoning
+from accessory.text.tool_calls import CallStream, ToolReading, parse
 
 log = logging.getLogger(__name__)
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -49,6 +49,40 @@ def read_reply(text: str, reasoning: Optional[tuple[ReasoningFormat, bool]] = No
         if found:
             reply.content, reply.tool_calls = content or None, tuple(found if calls.parallel else found[:1])
     return reply
+
+
+class ReplyStream:
+    """A chat reply read in pieces as `read_reply` reads it whole: `feed` each piece (`final` with the last) for
+    the reasoning, the content and the tool calls' OpenAI deltas to send now."""
+
+    def __init__(self, reasoning: Optional[tuple[ReasoningFormat, bool]] = None,
+                 calls: Optional[ToolReading] = None):
+        self.thinking = reasoning and ReasoningStream(*reasoning)
+        self.calls, self.reading = calls, calls and CallStream(calls.format, calls.tools)
+
+    @property
+    def call_count(self) -> int:
+        """Calls begun (of those kept: the first only, where parallel calls are not)."""
+        begun = self.reading.call_count if self.reading else 0
+        return begun if self.calls is None or self.calls.parallel else min(begun, 1)
+
+    def feed(self, piece: str, final: bool) -> tuple[str, str, list[dict]]:
+        thought, calls = "", []
+        if self.thinking is not None:  # the reasoning, and the answer after it
+            thought, piece = _read(self.thinking, piece, final)
+        if self.reading is not None:  # the content that cannot be a call's markup, and the calls' pieces
+            piece, calls = _read(self.reading, piece, final)
+            calls = calls if self.calls.parallel else [call for call in calls if call["index"] == 0]
+        return thought, piece, calls
+
+
+def _read(stream, piece: str, final: bool) -> tuple:
+    """What a stream reader has to send after `piece`; once the reply has finished, everything it held back."""
+    news = stream.feed(piece)
+    if not final:
+        return news
+    rest = stream.finish()
+    return news[0] + rest[0], news[1] + rest[1]
 
 
 def with_image_placeholder(messages: list[dict]) -> list[dict]:

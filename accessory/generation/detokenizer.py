@@ -20,6 +20,7 @@ class RowText:
         self._prefix = self._read = 0  # ids[_prefix:_read] are the last settled piece: context for the next
         self._context = ""  # their decoded text
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string the text was cut at
 
     def push(self, token: int) -> None:
         if self.stopped:
@@ -45,8 +46,9 @@ class RowText:
     def _cut_at_stop_string(self) -> None:
         if self.stopped:
             return
-        cut = min((i for i in (self.text.find(s) for s in self.stop_strings) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for i, s in ((self.text.find(s), s) for s in self.stop_strings) if i >= 0]
+        if found:
+            cut, self.stop_string = min(found, key=lambda f: f[0])
             self.text, self.stopped = self.text[:cut], True
 
     @property

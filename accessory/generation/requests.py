@@ -34,6 +34,7 @@ class Event:
     error: Optional[str] = None  # what went wrong, when finish_reason is "error"
     logprobs: tuple["TokenLogprob", ...] = ()  # of the tokens sampled since the last event (if asked for)
     prompt_logprobs: Optional[tuple["TokenLogprob", ...]] = None  # once, if asked for: each prompt token's
+    stop_string: Optional[str] = None  # the stop string that ended it (None: a stop token, or another reason)
 
     def __getitem__(self, key: str):
         return getattr(self, key)
@@ -155,7 +156,8 @@ class Request:
         if text == self.shown and not ended:
             return
         events.append(Event(self.id, text, text[len(self.shown):], ended, self.finish_reason, len(self.generated),
-                            logprobs=tuple(self.logprobs), prompt_logprobs=self.prompt_logprobs))
+                            logprobs=tuple(self.logprobs), prompt_logprobs=self.prompt_logprobs,
+                            stop_string=self.text.stop_string if ended else None))
         self.shown, self.logprobs, self.prompt_logprobs = text, [], None
 
     @property

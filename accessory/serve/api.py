@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP API over a GenerationService: /v1/models, /v1/completions, /v1/chat/completions
 (streamed as server-sent events or not; log-probs, n samples, structured output), /tokenize and /detokenize,
-/metrics and /health. Every field either works or is refused by name.
+/metrics and /health; and Anthropic's /v1/messages (anthropic.py). Every field either works or is refused by name.
 
-Errors use OpenAI's body shape, {"error": {"message", "type", "param", "code"}}: 400 for bad input, 401 for a
-missing or wrong API key, 404 for an unknown model, 429 when the queue is full, 503 while loading or shutting down.
+Errors use OpenAI's body shape, {"error": {"message", "type", "param", "code"}} (Anthropic's under /v1/messages):
+400 for bad input, 401 for a missing or wrong API key, 404 for an unknown model, 429 when the queue is full, 503
+while loading or shutting down.
 
 Here: the app, its middleware and its error handlers; the routes are in routes.py, each a short call into the
 modules beside it (schemas, validation, images, limits, responses, streaming, api_errors).
@@ -19,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
+from accessory.serve import anthropic
 from accessory.serve.api_errors import APIError, error_response
 from accessory.serve.images import ImageOptions
 from accessory.serve.limits import BodyLimit, Utf8Body, body_limit
@@ -53,6 +55,7 @@ def create_app(service: Union[GenerationService, ServiceSlot, None], model_name:
     app.middleware("http")(authenticate)
     app.middleware("http")(request_id)
     app.include_router(router)
+    app.include_router(anthropic.router)
     return app
 
 
@@ -63,10 +66,12 @@ REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # a client's X-Request-Id: print
 async def authenticate(request: Request, call_next):
     api_key = request.app.state.api_key
     if api_key and request.url.path not in OPEN_PATHS:
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            return error_response(APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                           code="invalid_api_key"))
+        bearer = request.headers.get("authorization", "")
+        given = request.headers.get("x-api-key", "")  # Anthropic's clients send this
+        if not (hmac.compare_digest(bearer.encode(), f"Bearer {api_key}".encode())
+                or hmac.compare_digest(given.encode(), api_key.encode())):
+            return error_response(APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' or "
+                                           "'x-api-key: <key>'", code="invalid_api_key"), request.url.path)
     return await call_next(request)
 
 
@@ -80,19 +85,19 @@ async def request_id(request: Request, call_next):
 
 
 async def on_api_error(request, error: APIError):
-    return error_response(error)
+    return error_response(error, request.url.path)
 
 
 async def on_validation_error(request, error: RequestValidationError):
     first = error.errors()[0]
     where = ".".join(str(part) for part in first["loc"] if part != "body")
     message = "not a field this server takes" if first["type"] == "extra_forbidden" else first["msg"]
-    return error_response(APIError(400, f"{where or 'body'}: {message}", param=where or None))
+    return error_response(APIError(400, f"{where or 'body'}: {message}", param=where or None), request.url.path)
 
 
 async def on_http_error(request, error: HTTPException):
     code = "request_too_large" if error.status_code == 413 else None
-    return error_response(APIError(error.status_code, str(error.detail), code=code))
+    return error_response(APIError(error.status_code, str(error.detail), code=code), request.url.path)
 
 
 ERROR_HANDLERS = {APIError: on_api_error, RequestValidationError: on_validation_error, HTTPException: on_http_error}

@@ -1,5 +1,6 @@
-"""The API's errors in OpenAI's body shape, {"error": {"message", "type", "param", "code"}}: APIError carries the
-status and the fields, error_body and error_response write them, generation_failed words a request that failed while
+"""The API's errors: APIError carries the status and the fields, error_body and error_response write them in the
+shape of the API that was called (OpenAI's {"error": {"message", "type", "param", "code"}}, or under /v1/messages
+Anthropic's {"type": "error", "error": {"type", "message"}}), generation_failed words a request that failed while
 decoding."""
 from __future__ import annotations
 
@@ -19,12 +20,21 @@ class APIError(Exception):
         self.headers = headers
 
 
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error_body(error), status_code=error.status, headers=error.headers)
+def error_response(error: APIError, path: str) -> JSONResponse:
+    """The error as the API at `path` (the request's) words it."""
+    return JSONResponse(error_body(error, path), status_code=error.status, headers=error.headers)
 
 
-def error_body(error: APIError) -> dict:
+def error_body(error: APIError, path: str) -> dict:
+    if path.startswith(ANTHROPIC_PATH):
+        return {"type": "error", "error": {"type": ANTHROPIC_KINDS.get(error.status, "api_error"),
+                                           "message": error.message}}
     return {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.code}}
+
+
+ANTHROPIC_PATH = "/v1/messages"
+ANTHROPIC_KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
 def generation_failed(final: Event, constraint_field: Optional[str]) -> APIError:

@@ -41,7 +41,7 @@ class BodyLimit:
         declared = dict(scope["headers"]).get(b"content-length", b"0")
         message = f"the request body is over {limit} bytes ({name})"
         if not declared.isdigit() or int(declared) > limit:
-            response = error_response(APIError(413, message, code="request_too_large"))
+            response = error_response(APIError(413, message, code="request_too_large"), scope["path"])
             return await response(scope, receive, send)
         read = 0
 

@@ -10,11 +10,11 @@ from typing import Optional, Sequence
 import torch
 from fastapi import Request
 
-from accessory.generation.chat import read_reply
+from accessory.generation.chat import ReplyStream, read_reply
 from accessory.generation.requests import Event
 from accessory.serve.service import GenerationService, Handle
-from accessory.text.reasoning import ReasoningFormat, ReasoningStream
-from accessory.text.tool_calls import CallStream, ToolReading
+from accessory.text.reasoning import ReasoningFormat
+from accessory.text.tool_calls import ToolReading
 
 
 def head(model_name: str, service: GenerationService, handle: Handle, request: Request) -> dict:
@@ -56,7 +56,7 @@ class Chat:
     def __init__(self, tokenizer, calls: Optional[ToolReading] = None,
                  reasoning: Optional[tuple[ReasoningFormat, bool]] = None):
         self.tokenizer, self.calls, self.reasoning = tokenizer, calls, reasoning
-        self.streams: dict[int, tuple] = {}  # each streamed choice's readers: of reasoning, and of calls
+        self.streams: dict[int, ReplyStream] = {}  # each streamed choice's reader
 
     def echoed(self, index: int) -> str:
         return ""  # chat never repeats the prompt
@@ -81,16 +81,11 @@ class Chat:
 
     def chunk_choice(self, index: int, delta: str, finish: Optional[str], logprobs: Optional[list],
                      first: bool = False) -> dict:
-        thinking, reading = self.streams.setdefault(index, (
-            self.reasoning and ReasoningStream(*self.reasoning),
-            self.calls and CallStream(self.calls.format, self.calls.tools)))
-        thought, calls = "", []
-        if thinking is not None:  # the reasoning, and the answer after it
-            thought, delta = _read(thinking, delta, finish)
-        if reading is not None:  # the content that cannot be a call's markup, and the calls' pieces
-            delta, calls = _read(reading, delta, finish)
-            calls = calls if self.calls.parallel else [call for call in calls if call["index"] == 0]
-            finish = "tool_calls" if finish == "stop" and reading.call_count else finish
+        if index not in self.streams:
+            self.streams[index] = ReplyStream(self.reasoning, self.calls)
+        reading = self.streams[index]
+        thought, delta, calls = reading.feed(delta, finish is not None)
+        finish = "tool_calls" if finish == "stop" and reading.call_count else finish
         fields = {"reasoning_content": thought} if thought else {}
         fields.update({"content": delta} if delta else {}, **({"tool_calls": calls} if calls else {}))
         return {"index": index, "delta": fields, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
@@ -104,15 +99,6 @@ class Chat:
     def _token(self, token: int, logprob: float) -> dict:
         text = self.tokenizer.token_text(token)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-
-def _read(stream, piece: str, finish: Optional[str]) -> tuple:
-    """What a stream reader has to send after `piece`; once the reply has finished, everything it held back."""
-    news = stream.feed(piece)
-    if finish is None:
-        return news
-    rest = stream.finish()
-    return news[0] + rest[0], news[1] + rest[1]
 
 
 class Completion(Chat):

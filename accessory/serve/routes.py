@@ -21,8 +21,8 @@ from accessory.serve.service import FieldError, GenerationService, Handle, Queue
 from accessory.serve.streaming import respond
 from accessory.serve.validation import (chat_messages, chat_tools, check_common, check_model, check_text,
                                         check_token_ids, constraint_field, forced_calls, prompt_list, sampling_of,
-                                        stops, template_kwargs)
-from accessory.text.reasoning import opens_reasoning, reasoning_format
+                                        stops, template_kwargs, ToolUse)
+from accessory.text.reasoning import ReasoningFormat, opens_reasoning, reasoning_format
 from accessory.text.tool_calls import ToolReading, call_format, forced_format
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
@@ -120,7 +120,7 @@ async def completions(body: CompletionRequest, request: Request, served: AppServ
             check_token_ids(tokens, service.vocab_size, "prompt" if len(prompts) == 1 else f"prompt.{i}")
         return service.submit_prompts(token_lists, sampling, stops(body), loop, **options, **labels(request, body))
 
-    handle = await submit(make, body)
+    handle = await submit(make, constraint_field(body), "prompt")
     tokenizer = service.model.tokenizer
     echoes = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts] if body.echo else []
     return await respond(Completion(tokenizer, echoes, body.n), body, handle, request,
@@ -132,7 +132,7 @@ async def chat_completions(body: ChatRequest, request: Request, served: AppServe
     service = served.slot.get()
     options = check_common(body, served.model_name, service.rows, service.model.adapter_names)
     messages, image = chat_messages(body.messages, service.model.llma.image_tokens > 0)
-    tools = chat_tools(body)
+    use = chat_tools(body)
     limit = body.max_completion_tokens or body.max_tokens
     top = body.top_logprobs
     if top is not None and not body.logprobs:
@@ -143,16 +143,12 @@ async def chat_completions(body: ChatRequest, request: Request, served: AppServe
 
     def make(loop):  # in a worker thread: decoding an image takes time too
         pixels = image and image_pixels(service.model, image, served.images)
-        return service.submit_chat(messages, sampling, served.template, stops(body), loop, tools=tools,
+        return service.submit_chat(messages, sampling, served.template, stops(body), loop, tools=use and use.tools,
                                    context=context, image=pixels, **options, **labels(request, body))
 
-    reading = tool_reading(body, tools, service, served, options)
-    handle = await submit(make, body)
-    # a reply held to calls starts with them, even where the prompt opened a reasoning block: it is all answer
-    forced = options["constraint"] is not None and options["constraint"].kind == "tool_calls"
-    thinking = None if forced else reasoning_format(served.reasoning_parser,
-                                                    service.model.tokenizer.chat_template_text)
-    shape = Chat(service.model.tokenizer, reading, thinking and (thinking, opens_reasoning(handle.prompt, thinking)))
+    reading = tool_reading(use, service, served, options)
+    handle = await submit(make, constraint_field(body), "messages")
+    shape = Chat(service.model.tokenizer, reading, reasoning_reading(service, served, handle, options))
     return await respond(shape, body, handle, request, head(body.model, service, handle, request))
 
 
@@ -190,21 +186,31 @@ async def detokenize(body: DetokenizeRequest, served: AppServed):
     return {"prompt": service.model.tokenizer.decode(body.tokens)}
 
 
-def tool_reading(body: ChatRequest, tools: Optional[list[dict]], service, served: Served,
-                 options: dict) -> Optional[ToolReading]:
+def tool_reading(use: Optional[ToolUse], service, served: Served, options: dict) -> Optional[ToolReading]:
     """How a reply to a request with tools is read for calls (None: it is plain content); a reply that must be
     calls is held to them in the model's format (its own, or a JSON list where that is Python calls or unknown),
     through `options`' constraint."""
-    if not tools:
+    if use is None:
         return None
     fmt = call_format(served.tool_call_parser, service.model.tokenizer.chat_template_text)
-    forced = forced_calls(body, tools, forced_format(fmt))
+    forced = forced_calls(use, forced_format(fmt))
     if forced is not None:
         options["constraint"], fmt = forced, forced_format(fmt)
     if fmt is None:
         return None
-    names = frozenset(tool["function"].get("name") for tool in tools)
-    return ToolReading(fmt, names, body.parallel_tool_calls is not False)
+    names = frozenset(tool["function"]["name"] for tool in use.tools)
+    return ToolReading(fmt, names, use.parallel)
+
+
+def reasoning_reading(service, served: Served, handle: Handle,
+                      options: dict) -> Optional[tuple[ReasoningFormat, bool]]:
+    """How a chat reply is read for reasoning: its markers, and whether the prompt opened the block; None: it is
+    not. A reply held to calls starts with them, even where the prompt opened a block: it is all answer."""
+    constraint = options["constraint"]
+    if constraint is not None and constraint.kind == "tool_calls":
+        return None
+    fmt = reasoning_format(served.reasoning_parser, service.model.tokenizer.chat_template_text)
+    return fmt and (fmt, opens_reasoning(handle.prompt, fmt))
 
 
 def labels(request: Request, body: SamplingFields) -> dict:
@@ -212,12 +218,11 @@ def labels(request: Request, body: SamplingFields) -> dict:
     return {"label": request.state.id, "user": body.user}
 
 
-async def submit(make, body: SamplingFields) -> Handle:
+async def submit(make, constraint_field: Optional[str], prompt_field: str) -> Handle:
     """`make(loop)` queues the request, in a worker thread (templates and tokenizing take time: the event loop
-    keeps answering meanwhile); the service's refusals become API errors."""
+    keeps answering meanwhile); the service's refusals become API errors (as `submit_free`'s)."""
     loop = asyncio.get_running_loop()
-    prompt_field = "prompt" if isinstance(body, CompletionRequest) else "messages"
-    return await submit_free(lambda: make(loop), constraint_field(body), prompt_field)
+    return await submit_free(lambda: make(loop), constraint_field, prompt_field)
 
 
 async def submit_free(work, constraint_field: Optional[str] = None, prompt_field: Optional[str] = None):

@@ -45,7 +45,7 @@ async def respond(shape: Chat, body: SamplingFields, handle: Handle, request: Re
         return JSONResponse({}, status_code=499)  # the client is gone; nobody reads this
     failed = [final for final in finals.values() if final.finish_reason == "error"]
     if failed:
-        return error_response(generation_failed(failed[0], constraint_field(body)))
+        return error_response(generation_failed(failed[0], constraint_field(body)), request.url.path)
     choices = [shape.choice(i, finals[i].text, finals[i].finish_reason,
                             logprobs[i] if wants_logprobs else None) for i in sorted(finals)]
     return {**head, "object": shape.object, "choices": choices, "usage": usage(handle, finals.values())}
@@ -73,7 +73,8 @@ async def stream(shape: Chat, head: dict, handle: Handle, request: Request, body
                 yield sse([shape.chunk_choice(index, event.delta, None, entries if wants_logprobs else None,
                                               first)])
             if event.finish_reason == "error":  # as OpenAI streams an error: an error object, then the end
-                yield f"data: {json.dumps(error_body(generation_failed(event, constraint_field(body))))}\n\n"
+                failed = generation_failed(event, constraint_field(body))
+                yield f"data: {json.dumps(error_body(failed, request.url.path))}\n\n"
                 yield "data: [DONE]\n\n"
                 return
             if event.end_of_content:

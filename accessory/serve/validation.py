@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from pydantic import BaseModel, ValidationError
@@ -100,10 +101,15 @@ def chat_messages(messages: list[Message], reads_images: bool) -> tuple[list[dic
     LLaVA-1.5 takes one image)."""
     found: list[ImageRef] = []
     plain = [plain_message(m, f"messages.{i}", reads_images, found) for i, m in enumerate(messages)]
+    return plain, one_image(found)
+
+
+def one_image(found: list[ImageRef]) -> Optional[ImageRef]:
+    """The request's image, if it has one (LLaVA-1.5 takes one a request)."""
     if len(found) > 1:
         raise APIError(400, f"{found[1].part}: a second image ({found[0].part} is the first); this model takes one "
                             f"image per request", param=found[1].part)
-    return plain, found[0] if found else None
+    return found[0] if found else None
 
 
 def plain_message(message: Message, where: str, reads_images: bool, images: list) -> dict:
@@ -172,8 +178,13 @@ def check_no_placeholder(text: str, field: str) -> None:
 
 def check_part(part: OtherPart, model: type[BaseModel], where: str) -> None:
     """Raise the 400 that names what is wrong in a part of a known kind (the union took it as an other part)."""
+    validated(model, part.model_dump(), where)
+
+
+def validated(model: type[BaseModel], data, where: str):
+    """`data` read as `model`, or the 400 naming its first wrong field under `where`."""
     try:
-        model.model_validate(part.model_dump())
+        return model.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
         field = ".".join([where, *map(str, first["loc"])])
@@ -194,22 +205,43 @@ def template_kwargs(body: ChatRequest) -> Optional[dict]:
     return body.chat_template_kwargs or None
 
 
-TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name (and Anthropic's)
 
 
-def chat_tools(body: ChatRequest) -> Optional[list[dict]]:
-    """The tools to give the chat template: none when tool_choice is "none"."""
+@dataclass(frozen=True)
+class ToolUse:
+    """A chat request's tools, as chat templates read them (OpenAI's function definitions), and how its reply may
+    call them: `mode` "auto", "required", or "function" (a call of the function `name`); `parallel`: several calls
+    in one reply; `schema_field`: where the request holds tool i's parameters schema, as a format string."""
+    tools: list[dict]
+    mode: str
+    name: Optional[str]
+    parallel: bool
+    schema_field: str
+
+
+def chat_tools(body: ChatRequest) -> Optional[ToolUse]:
+    """The request's tools and tool_choice; None when there are none or tool_choice is "none"."""
     tools = [tool.model_dump() for tool in body.tools or ()]
     for i, tool in enumerate(tools):
-        name = tool["function"].get("name")
-        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-            raise APIError(400, f"tools.{i}.function.name: 1 to 64 letters, digits, _ or -, got {name!r}",
-                           param=f"tools.{i}.function.name")
-        if not isinstance(tool["function"].get("parameters", {}), dict):
-            raise APIError(400, f"tools.{i}.function.parameters: a JSON schema object, got "
-                           f"{type(tool['function']['parameters']).__name__}", param=f"tools.{i}.function.parameters")
-    mode, _ = tool_choice(body, [tool["function"]["name"] for tool in tools])
-    return tools if tools and mode != "none" else None
+        check_function(tool["function"].get("name"), tool["function"].get("parameters", {}), f"tools.{i}.function",
+                       "parameters")
+    mode, name = tool_choice(body, [tool["function"]["name"] for tool in tools])
+    if not tools or mode == "none":
+        return None
+    if mode != "auto" and constraint_fields(body):
+        raise APIError(400, f"tool_choice: a required call cannot also be held to {constraint_fields(body)[0]}",
+                       param="tool_choice")
+    return ToolUse(tools, mode, name, body.parallel_tool_calls is not False, "tools.{}.function.parameters")
+
+
+def check_function(name, parameters, where: str, schema_key: str) -> None:
+    """A tool's name (OpenAI's rule) and parameters schema (an object) at `where` in the request."""
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise APIError(400, f"{where}.name: 1 to 64 letters, digits, _ or -, got {name!r}", param=f"{where}.name")
+    if not isinstance(parameters, dict):
+        raise APIError(400, f"{where}.{schema_key}: a JSON schema object, got {type(parameters).__name__}",
+                       param=f"{where}.{schema_key}")
 
 
 def tool_choice(body: ChatRequest, names: list[str]) -> tuple[str, Optional[str]]:
@@ -222,10 +254,7 @@ def tool_choice(body: ChatRequest, names: list[str]) -> tuple[str, Optional[str]
         if choice.get("type") != "function" or not isinstance(name, str):
             raise APIError(400, 'tool_choice: "auto", "none", "required" or {"type": "function", "function": '
                            f'{{"name": ...}}}}, got {json.dumps(choice)[:200]}', param="tool_choice")
-        if name not in names:
-            raise APIError(400, f"tool_choice.function.name: {name!r} is not one of the request's tools {names}",
-                           param="tool_choice.function.name")
-        return "function", name
+        return "function", check_chosen(name, names, "tool_choice.function.name")
     if choice not in ("auto", "none", "required"):
         raise APIError(400, f'tool_choice: "auto", "none", "required" or a function, got {choice!r}',
                        param="tool_choice")
@@ -234,20 +263,22 @@ def tool_choice(body: ChatRequest, names: list[str]) -> tuple[str, Optional[str]
     return choice, None
 
 
-def forced_calls(body: ChatRequest, tools: Optional[list[dict]], fmt: CallFormat) -> Optional[Constraint]:
-    """A reply that must be calls (tool_choice "required": of any of `tools`; a name: of that one): the constraint
-    that holds it to `fmt`'s markup and each tool's parameters schema; None if the reply may be anything."""
-    mode, name = tool_choice(body, [tool["function"]["name"] for tool in tools or ()])
-    if mode in ("auto", "none"):
+def check_chosen(name: str, names: list[str], field: str) -> str:
+    if name not in names:
+        raise APIError(400, f"{field}: {name!r} is not one of the request's tools {names}", param=field)
+    return name
+
+
+def forced_calls(use: ToolUse, fmt: CallFormat) -> Optional[Constraint]:
+    """A reply that must be calls (mode "required": of any tool; "function": of that one): the constraint that
+    holds it to `fmt`'s markup and each tool's parameters schema; None if the reply may be anything."""
+    if use.mode == "auto":
         return None
-    if constraint_fields(body):
-        raise APIError(400, f"tool_choice: a required call cannot also be held to {constraint_fields(body)[0]}",
-                       param="tool_choice")
-    called = tools if mode == "required" else [tool for tool in tools if tool["function"]["name"] == name]
-    for i, tool in enumerate(tools):
+    called = use.tools if use.mode == "required" else [t for t in use.tools if t["function"]["name"] == use.name]
+    for i, tool in enumerate(use.tools):
         if tool in called:
-            check_tool_schema(tool, f"tools.{i}.function.parameters", fmt)
-    several = mode == "required" and body.parallel_tool_calls is not False  # a named function: one call of it
+            check_tool_schema(tool, use.schema_field.format(i), fmt)
+    several = use.mode == "required" and use.parallel  # a named function: one call of it
     return Constraint("tool_calls", call_grammar(fmt, called, several, JSON_OPTIONS))
 
 

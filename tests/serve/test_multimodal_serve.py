@@ -1,7 +1,7 @@
 """Images in `accessory serve`'s chat API: a tiny random LLaVA served at one rank answers an image_url part as
 `MetaModel.generate` does in this process on the same rendered prompt and pixels (whole, streamed, beside a text
 request, from a local file when --allow-local-images is on), counts the image's tokens, and names each bad image
-by its field; a text model refuses image parts."""
+by its field; a text model refuses image parts. Anthropic's image block is read the same way."""
 from __future__ import annotations
 
 import base64
@@ -96,6 +96,20 @@ def test_image_chat_equals_generate_in_process(llava_server, llava, photo_png, t
     assert ask(client, asked(image_part((tmp_path / "photo.png").as_uri()))).choices[0].message.content == expected
     counted = post(llava_server, "/tokenize", {"messages": asked(image_part(data_url(photo_png)))}).json()
     assert counted["count"] == prompt_tokens and counted["tokens"].count(llava.llma.image_token) == 64
+
+
+def test_an_anthropic_image_block_is_read_as_an_image_url_part(llava_server, llava, photo_png):
+    """/v1/messages through the anthropic client (x-api-key): a base64 image block before the question gives the
+    reply generate gives in this process."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=llava_server.url, api_key=KEY, max_retries=0)
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(photo_png).decode()}}
+    answer = client.messages.create(model=LLAVA, max_tokens=MAX_TOKENS, extra_body={"temperature": 0}, messages=[
+        {"role": "user", "content": [image, {"type": "text", "text": QUESTION}]}])
+    expected, prompt_tokens = in_process(llava, f"<image>\n{QUESTION}", photo_png)
+    assert answer.content[0].text == expected and answer.usage.input_tokens == prompt_tokens
 
 
 def test_image_and_text_requests_answer_together(llava_server, llava, photo_png):

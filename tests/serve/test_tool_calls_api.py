@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
 
-from conftest import REPO
+from serving import running
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {
@@ -31,24 +29,6 @@ FORECAST = {"type": "object", "properties": {"city": {"type": "string", "maxLeng
                                             "unit": {"enum": ["C", "F"]}},
             "required": ["city", "days"], "additionalProperties": False}
 FORCED_TOOLS = [{"type": "function", "function": {"name": "forecast", "parameters": FORECAST}}, TOOLS[1]]
-
-
-@contextmanager
-def running(checkpoint, template: str):
-    """A running service on the built-in model with tests/data/chat_templates/`template`.jinja."""
-    from accessory.model.meta import MetaModel
-    from accessory.serve.service import GenerationService
-
-    model = MetaModel.from_pretrained(checkpoint, max_seq_len=512)
-    model.tokenizer.set_chat_template(REPO / f"tests/data/chat_templates/{template}.jinja")
-    service = GenerationService(model, heartbeat_s=0.2)
-    runner = threading.Thread(target=service.run, daemon=True)
-    runner.start()
-    try:
-        yield service
-    finally:
-        service.shutdown()
-        runner.join(timeout=30)
 
 
 @pytest.fixture(scope="module")

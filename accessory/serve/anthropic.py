@@ -162,7 +162,7 @@ async def messages(body: MessagesRequest, request: Request, served: AppServed):
                                    user=user if isinstance(user, str) else None, **options)
 
     handle = await submit(make, held_by, "messages")
-    how = Reading(reading, reasoning_reading(service, served, handle, options), tuple(stops), held_by,
+    how = Reading(reading, reasoning_reading(service, served, handle, reading), tuple(stops), held_by,
                   body.thinking is None or body.thinking.display == "summarized")
     return await respond(how, body, handle, request)
 
@@ -271,7 +271,7 @@ def anthropic_tools(body: CountTokensRequest) -> Optional[ToolUse]:
                            f"client's tools only (name, description, input_schema)", param=f"tools.{i}.type")
         tool = validated(AnthropicTool, raw, f"tools.{i}")
         check_function(tool.name, tool.input_schema, f"tools.{i}", "input_schema")
-        function = {"name": tool.name, "parameters": tool.input_schema}
+        function = {"name": tool.name, "parameters": tool.input_schema, **({"strict": True} if tool.strict else {})}
         tools.append({"type": "function", "function": {**function, "description": tool.description}
                       if tool.description is not None else function})
     choice = body.tool_choice or AnthropicToolChoice(type="auto")

@@ -19,9 +19,9 @@ from accessory.serve.responses import Chat, Completion, head, model_card
 from accessory.serve.schemas import ChatRequest, CompletionRequest, DetokenizeRequest, SamplingFields, TokenizeRequest
 from accessory.serve.service import FieldError, GenerationService, Handle, QueueFull, ServiceClosed
 from accessory.serve.streaming import respond
-from accessory.serve.validation import (chat_messages, chat_tools, check_common, check_model, check_text,
-                                        check_token_ids, constraint_field, forced_calls, prompt_list, sampling_of,
-                                        stops, template_kwargs, ToolUse)
+from accessory.serve.validation import (ToolUse, chat_messages, chat_tools, check_common, check_model, check_text,
+                                        check_token_ids, constraint_field, forced_calls, held_calls, prompt_list,
+                                        sampling_of, stops, template_kwargs)
 from accessory.text.reasoning import ReasoningFormat, opens_reasoning, reasoning_format
 from accessory.text.tool_calls import ToolReading, call_format, forced_format
 
@@ -148,7 +148,7 @@ async def chat_completions(body: ChatRequest, request: Request, served: AppServe
 
     reading = tool_reading(use, service, served, options)
     handle = await submit(make, constraint_field(body), "messages")
-    shape = Chat(service.model.tokenizer, reading, reasoning_reading(service, served, handle, options))
+    shape = Chat(service.model.tokenizer, reading, reasoning_reading(service, served, handle, reading))
     return await respond(shape, body, handle, request, head(body.model, service, handle, request))
 
 
@@ -196,18 +196,19 @@ def tool_reading(use: Optional[ToolUse], service, served: Served, options: dict)
     forced = forced_calls(use, forced_format(fmt))
     if forced is not None:
         options["constraint"], fmt = forced, forced_format(fmt)
+    else:  # strict tools' calls held once one opens
+        options["constraint"] = held_calls(use, fmt, options["constraint"]) or options["constraint"]
     if fmt is None:
         return None
     names = frozenset(tool["function"]["name"] for tool in use.tools)
-    return ToolReading(fmt, names, use.parallel)
+    return ToolReading(fmt, names, use.parallel, forced=forced is not None)
 
 
 def reasoning_reading(service, served: Served, handle: Handle,
-                      options: dict) -> Optional[tuple[ReasoningFormat, bool]]:
+                      calls: Optional[ToolReading]) -> Optional[tuple[ReasoningFormat, bool]]:
     """How a chat reply is read for reasoning: its markers, and whether the prompt opened the block; None: it is
     not. A reply held to calls starts with them, even where the prompt opened a block: it is all answer."""
-    constraint = options["constraint"]
-    if constraint is not None and constraint.kind == "tool_calls":
+    if calls is not None and calls.forced:
         return None
     fmt = reasoning_format(served.reasoning_parser, service.model.tokenizer.chat_template_text)
     return fmt and (fmt, opens_reasoning(handle.prompt, fmt))

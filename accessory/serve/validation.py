@@ -13,7 +13,7 @@ from accessory.generation.constraints import JSON_OPTIONS, Constraint
 from accessory.text.tokenizer import IMAGE_PLACEHOLDER
 from accessory.serve.api_errors import APIError
 from accessory.serve.images import ImageRef
-from accessory.text.tool_calls import CallFormat, call_grammar
+from accessory.text.tool_calls import CallFormat, call_grammar, held_calls_grammar
 from accessory.serve.schemas import PART_MODELS, ChatRequest, ImagePart, Message, OtherPart, SamplingFields, TextPart
 
 
@@ -280,6 +280,26 @@ def forced_calls(use: ToolUse, fmt: CallFormat) -> Optional[Constraint]:
             check_tool_schema(tool, use.schema_field.format(i), fmt)
     several = use.mode == "required" and use.parallel  # a named function: one call of it
     return Constraint("tool_calls", call_grammar(fmt, called, several, JSON_OPTIONS))
+
+
+def held_calls(use: ToolUse, fmt: Optional[CallFormat], constraint: Optional[Constraint]) -> Optional[Constraint]:
+    """Under tool_choice "auto", where a tool is `strict`: the constraint that lets the reply be any text until it
+    opens a call, then holds the call to `fmt`'s markup and a strict tool's arguments to its schema. None where no
+    tool is strict."""
+    strict = [i for i, tool in enumerate(use.tools) if tool["function"].get("strict") is True]
+    if use.mode != "auto" or not strict:
+        return None
+    field = use.schema_field.format(strict[0]).rsplit(".", 1)[0] + ".strict"
+    if fmt is None or not fmt.start:
+        raise APIError(400, f"{field}: a strict tool's calls are held from the marker that opens one, and this "
+                       f"model's tool-call format ({fmt.name if fmt else 'none in its chat template'}) has none",
+                       param=field)
+    if constraint is not None:
+        raise APIError(400, f"{field}: calls cannot be held while the reply is held to structured output",
+                       param=field)
+    for i in strict:
+        check_tool_schema(use.tools[i], use.schema_field.format(i), fmt)
+    return Constraint("tool_calls", held_calls_grammar(fmt, use.tools, use.parallel, JSON_OPTIONS))
 
 
 def check_tool_schema(tool: dict, field: str, fmt: CallFormat) -> None:

@@ -84,18 +84,48 @@ def call_grammar(fmt: CallFormat, tools: list[dict], parallel: bool, json_option
     """A Lark grammar (llguidance's) for a reply that is nothing but calls of `tools` (OpenAI's definitions) in
     `fmt`: one call, or with `parallel` one or more, each call's arguments valid against its tool's parameters
     schema (JSON written as `json_options` say). `fmt` must not be PYTHON (`forced_format`)."""
-    key = fmt.argument_keys[0]
-    rules = [f"tool_{i}: %json {json.dumps({**call_schema(tool, key), 'x-guidance': json_options})}"
-             for i, tool in enumerate(tools)]
+    rules = _call_rules(fmt, tools, json_options)
     if fmt.body == LIST:
         calls = f'{json.dumps(fmt.start + "[")} call' + (' (", " call)*' if parallel else "") + ' "]"'
     elif fmt.end:  # a block a call, each on a line of its own
-        opening, closing, newline = (json.dumps(text) for text in (fmt.start + "\n", "\n" + fmt.end, "\n"))
-        calls = "block" + (f" ({newline} block)*" if parallel else "")
-        rules.append(f"block: {opening} call {closing}")
+        calls = "block" + (f' ({json.dumps(chr(10))} block)*' if parallel else "")
+        rules.append(f'block: {json.dumps(fmt.start)} {_BLOCK_BODY.format(json.dumps(chr(10) + fmt.end))}')
     else:
-        calls = "call" + (f' ({json.dumps(fmt.separator + " ")} call)*' if parallel and fmt.separator else "")
-    return "\n".join([f"start: {calls}", "call: " + " | ".join(f"tool_{i}" for i in range(len(tools))), *rules])
+        calls = "call" + _more_calls(fmt, parallel)
+    return "\n".join([f"start: {calls}", *rules])
+
+
+def held_calls_grammar(fmt: CallFormat, tools: list[dict], parallel: bool, json_options: dict) -> str:
+    """A Lark grammar for a reply of free text whose calls, once one opens (`fmt.start`, written lazily: the text
+    ends at its first occurrence), are held to `fmt`'s markup: the arguments of the tools marked `strict` to their
+    schema, the others' to any object. `fmt` must have an opening marker."""
+    lax = {"type": "object", "additionalProperties": True}
+    held = [tool if tool["function"].get("strict") is True else
+            {**tool, "function": {**tool["function"], "parameters": lax}} for tool in tools]
+    rules = [*_call_rules(fmt, held, json_options), f"opening[lazy]: TEXT {json.dumps(fmt.start)}",
+             r"TEXT: /(.|\n)*/"]
+    if fmt.end:
+        rules.append(f"block: opening {_BLOCK_BODY.format(json.dumps(chr(10) + fmt.end))}")
+        calls = ("block*" if parallel else "block?") + " TEXT"
+    elif fmt.body == LIST:
+        calls = 'TEXT | opening "[" call' + (' (", " call)*' if parallel else "") + ' "]"'
+    else:
+        calls = "TEXT | opening call" + _more_calls(fmt, parallel)
+    return "\n".join([f"start: {calls}", *rules])
+
+
+_BLOCK_BODY = '"\\n" call {}'  # a block's call on a line of its own, then the closing marker
+
+
+def _call_rules(fmt: CallFormat, tools: list[dict], json_options: dict) -> list[str]:
+    key = fmt.argument_keys[0]
+    return ["call: " + " | ".join(f"tool_{i}" for i in range(len(tools))),
+            *(f"tool_{i}: %json {json.dumps({**call_schema(tool, key), 'x-guidance': json_options})}"
+              for i, tool in enumerate(tools))]
+
+
+def _more_calls(fmt: CallFormat, parallel: bool) -> str:
+    return f' ({json.dumps(fmt.separator + " ")} call)*' if parallel and fmt.separator else ""
 
 
 def call_schema(tool: dict, key: str) -> dict:
@@ -111,11 +141,13 @@ def call_schema(tool: dict, key: str) -> dict:
 
 @dataclass(frozen=True)
 class ToolReading:
-    """How a chat reply is read for tool calls: their format, the request's tools' names, and whether a reply may
-    make several calls (parallel_tool_calls; if not, only its first is kept)."""
+    """How a chat reply is read for tool calls: their format, the request's tools' names, whether a reply may
+    make several calls (parallel_tool_calls; if not, only its first is kept), and whether it was held to be
+    nothing but calls (tool_choice required or named)."""
     format: CallFormat
     tools: frozenset
     parallel: bool = True
+    forced: bool = False
 
 
 @dataclass

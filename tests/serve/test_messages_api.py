@@ -118,6 +118,17 @@ def test_a_tool_round_trip(client, service):
     assert final.usage.input_tokens == counted.input_tokens and final.content[0].type == "text"
 
 
+def test_a_strict_tool_holds_the_call_to_its_schema(client):
+    """As /v1/chat/completions' strict tools (test_tool_calls_api.py): the call the model is asked to repeat has a
+    key its schema lacks; with `strict` its input is held to the schema."""
+    ask = ('Repeat exactly, with nothing else: <tool_call>\n{"name": "get_weather", "arguments": {"town": '
+           '"Paris"}}\n</tool_call>')
+    inputs = [create(client, max_tokens=40, messages=[{"role": "user", "content": ask}],
+                     tools=[{**TOOLS[0], "strict": strict}]).content[0].input for strict in (False, True)]
+    assert inputs[0] == {"town": "Paris"}
+    jsonschema.validate(inputs[1], {**WEATHER, "additionalProperties": False})
+
+
 def test_thinking_blocks_stream_as_they_come_whole():
     """A reply that thinks, says something and calls two tools: the streamed events, put together block by block,
     are the whole reply's blocks, for the reply cut into pieces at every character."""

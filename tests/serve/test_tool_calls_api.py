@@ -169,8 +169,30 @@ def test_a_model_whose_calls_are_python_is_held_to_a_json_list_instead(service):
 
     with TestClient(create_app(service, "smol", tool_call_parser="pythonic")) as client:
         choice = forced(client, {"type": "function", "function": {"name": "forecast"}})
+        strict = [{"type": "function", "function": {"name": "forecast", "parameters": FORECAST, "strict": True}}]
+        refused = client.post("/v1/chat/completions", json={"model": "smol", "max_tokens": 4, "tools": strict,
+                                                            "messages": [{"role": "user", "content": "Hi"}]})
     (call,) = choice["message"]["tool_calls"]
     jsonschema.validate(json.loads(call["function"]["arguments"]), FORECAST)
+    assert refused.status_code == 400 and "(pythonic) has none" in refused.json()["error"]["message"]  # no marker
+
+
+def test_a_strict_tool_holds_the_call_the_model_opens_to_its_schema(client):
+    """Asked to repeat a call with arguments its schema forbids, the model does, word for word; with `strict` on
+    the tool, the text before the call is free, but once "<tool_call>" opens it the arguments are held (a forbidden
+    key and 99 days are not written)."""
+    ask = ('Repeat exactly, with nothing else: <tool_call>\n{"name": "forecast", "arguments": {"town": "Paris", '
+           '"days": 99}}\n</tool_call>')
+    calls = {}
+    for strict in (False, True):
+        tools = [{"type": "function", "function": {"name": "forecast", "parameters": FORECAST, "strict": strict}}]
+        answer = client.post("/v1/chat/completions", json={"model": "smol", "max_tokens": 60, "temperature": 0,
+                                                           "tools": tools,
+                                                           "messages": [{"role": "user", "content": ask}]}).json()
+        (call,) = answer["choices"][0]["message"]["tool_calls"]
+        calls[strict] = json.loads(call["function"]["arguments"])
+    assert calls[False] == {"town": "Paris", "days": 99}
+    jsonschema.validate(calls[True], FORECAST)
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -182,8 +204,10 @@ def test_a_model_whose_calls_are_python_is_held_to_a_json_list_instead(service):
     ({"tools": [TOOLS[1], {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/nowhere"}}}],
       "tool_choice": "required"}, "tools.1.function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools.0.function.parameters"),
+    ({"tools": [TOOLS[1], {"type": "function", "function": {"name": "f", "strict": True}}], "guided_regex": "x"},
+     "tools.1.function.strict"),
 ], ids=["required without tools", "unknown choice", "unknown name", "with guided_regex", "bad name", "bad schema",
-        "schema not an object"])
+        "schema not an object", "strict with guided_regex"])
 def test_a_tool_choice_that_cannot_be_met_is_a_400_naming_the_field(client, fields, param):
     body = {"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "tools": TOOLS,
             **fields}

@@ -11,13 +11,14 @@ import functools
 import json
 import re
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 # Objects are written compactly with the separators models write by themselves, and no other whitespace: free
 # whitespace lets a model pad forever without breaking the grammar.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-KINDS = ("json_schema", "json_object", "regex", "choice", "tool_calls")
+KINDS = ("json_schema", "json_object", "regex", "choice", "tool_calls", "reasoned")
 
 
 class ConstraintError(ValueError):
@@ -27,8 +28,8 @@ class ConstraintError(ValueError):
 @dataclass(frozen=True)
 class Constraint:
     """What a request's output must match. `spec`: the schema as JSON text (json_schema), the pattern (regex), the
-    choices as a JSON list (choice), a Lark grammar of tool calls (tool_calls: text/tool_calls.py `call_grammar`);
-    empty for json_object."""
+    choices as a JSON list (choice), a Lark grammar of tool calls (tool_calls: text/tool_calls.py `call_grammar`)
+    or of reasoning and then an answer (reasoned: `after_reasoning`); empty for json_object."""
     kind: str
     spec: str = ""
 
@@ -54,10 +55,70 @@ class Constraint:
             return llguidance.LLMatcher.grammar_from_regex(self.spec)
         if self.kind == "choice":
             return llguidance.LLMatcher.grammar_from_regex("|".join(map(re.escape, json.loads(self.spec))))
-        if self.kind == "tool_calls":
+        if self.kind in ("tool_calls", "reasoned"):
             return llguidance.LLMatcher.grammar_from_lark(self.spec)
         schema = json.loads(self.spec) if self.kind == "json_schema" else {"type": "object"}
         return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+
+    def lark(self) -> str:
+        """This constraint as a Lark grammar (llguidance's) whose `start` rule is the whole output."""
+        if self.kind in ("tool_calls", "reasoned"):
+            return self.spec
+        if self.kind == "regex":
+            return f"start: /{_lark_regex(self.spec)}/"
+        if self.kind == "choice":
+            return "start: " + " | ".join(map(json.dumps, json.loads(self.spec)))
+        schema = json.loads(self.spec) if self.kind == "json_schema" else {"type": "object"}
+        return f"start: %json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
+
+
+ANY_TEXT = r"/(.|\n)*/"
+
+
+def after_reasoning(constraint: Optional[Constraint], markers: tuple[str, str], opened: bool,
+                    budget: Optional[int]) -> Optional[Constraint]:
+    """The constraint of a reply that may reason first, between `markers` (a thinking model's <think> and
+    </think>): its reasoning free, but closed after `budget` tokens (the closing marker is then forced), and its
+    answer held to `constraint` (free without one). `opened`: the prompt ended inside the block, so the reply
+    begins in it; else the reply may open one or answer at once. None where nothing is held."""
+    if constraint is None and budget is None:
+        return None
+    end = json.dumps(markers[1])
+    limit = f", max_tokens={budget}" if budget is not None else ""
+    answer = f"answer: {ANY_TEXT}" if constraint is None else re.sub(r"^start:", "answer:", constraint.lark(),
+                                                                       count=1, flags=re.M)
+    rules = [f"thought[stop={end}{limit}]: {ANY_TEXT}", answer]
+    reasoned = f"thought {end} /{FEW_BLANKS}/ answer"
+    if not opened:
+        opening = _regex(markers[0])
+        rules.append(f"THINKING: /{FEW_BLANKS}{opening}/")
+        if constraint is None:  # a free answer at once must not open a block: there the budget would not apply
+            rules.append(f"ANSWER_AT_ONCE: {ANY_TEXT} & ~/{BLANK}{opening}(.|\\n)*/")
+        reasoned = f"THINKING {reasoned} | {'answer' if constraint is not None else 'ANSWER_AT_ONCE'}"
+    return Constraint("reasoned", "\n".join([f"start: {reasoned}", *rules]))
+
+
+BLANK = r"[ \t\n]*"
+FEW_BLANKS = r"[ \t\n]{0,3}"  # around the markers: more would let a model pad forever
+
+
+CONTROL_ESCAPES = {"\n": r"\n", "\r": r"\r", "\t": r"\t"}
+
+
+def _lark_regex(pattern: str) -> str:
+    """A regular expression as a Lark regex literal reads it: a slash would end the literal and a line break
+    cannot be in it, so both are escaped (an escaped line break, as re.escape writes one, too)."""
+    def written(match: re.Match) -> str:
+        escaped, plain = match.groups()
+        char = escaped if escaped is not None else plain
+        return CONTROL_ESCAPES.get(char) or ("\\" + char if escaped is not None or char == "/" else char)
+
+    return re.sub(r"\\(.)|([/\n\r\t])", written, pattern, flags=re.S)
+
+
+def _regex(text: str) -> str:
+    """A Lark regex literal's body that matches `text`."""
+    return _lark_regex(re.escape(text))
 
 
 class Matcher:

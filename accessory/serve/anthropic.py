@@ -17,11 +17,12 @@ from pydantic import Field
 from accessory.generation.constraints import Constraint
 from accessory.serve.anthropic_replies import Reading, respond
 from accessory.serve.api_errors import APIError
-from accessory.serve.images import image_pixels
-from accessory.serve.routes import AppServed, reasoning_reading, submit, submit_free, tool_reading
+from accessory.serve.images import ImageRef, image_pixels
+from accessory.serve.routes import AppServed, submit, submit_free, tool_reading
 from accessory.serve.schemas import ImagePart, ImageURL, Strict, TextPart
 from accessory.serve.validation import (ToolUse, check_chosen, check_function, check_model, check_text, one_image,
                                         part_text, validated)
+from accessory.text.reasoning import opens_reasoning, reasoning_format
 
 
 class Cached(Strict):
@@ -152,17 +153,19 @@ async def messages(body: MessagesRequest, request: Request, served: AppServed):
                 "max_gen_len": body.max_tokens}
     options = {"n": 1, "constraint": output_format(body), "adapter": adapter}
     reading = tool_reading(use, service, served, options)
-    held_by = "output_config.format" if body.output_config and body.output_config.format else "tool_choice"
     user = (body.metadata or {}).get("user_id")
+    thinking = reasoning_format(served.reasoning_parser, service.model.tokenizer.chat_template_text)
+    budget = body.thinking.budget_tokens if body.thinking and body.thinking.type == "enabled" else None
+    held_by = constraint_field(body)
 
     def make(loop):  # in a worker thread, as the OpenAI route's
         pixels = image and image_pixels(service.model, image, served.images)
         return service.submit_chat(plain, sampling, served.template, stops, loop, tools=use and use.tools,
-                                   context=context, image=pixels, label=request.state.id,
-                                   user=user if isinstance(user, str) else None, **options)
+                                   context=context, reasoning=thinking, reasoning_budget=budget, image=pixels,
+                                   label=request.state.id, user=user if isinstance(user, str) else None, **options)
 
     handle = await submit(make, held_by, "messages")
-    how = Reading(reading, reasoning_reading(service, served, handle, reading), tuple(stops), held_by,
+    how = Reading(reading, thinking and (thinking, opens_reasoning(handle.prompt, thinking)), tuple(stops), held_by,
                   body.thinking is None or body.thinking.display == "summarized")
     return await respond(how, body, handle, request)
 
@@ -188,7 +191,7 @@ async def count_tokens(body: CountTokensRequest, served: AppServed):
 
 # ---- the request read into what the chat template takes ---------------------------------------------------------
 
-def anthropic_messages(body: CountTokensRequest, reads_images: bool) -> tuple[list[dict], Optional[object]]:
+def anthropic_messages(body: CountTokensRequest, reads_images: bool) -> tuple[list[dict], Optional[ImageRef]]:
     """The system prompt and messages as OpenAI-style messages, and their image if a block holds one."""
     images: list = []
     names: dict[str, str] = {}  # a tool_use block's id -> its tool's name, for the results that answer it
@@ -299,6 +302,15 @@ def output_format(body: MessagesRequest) -> Optional[Constraint]:
         return Constraint.json_schema(fmt.schema_)
     except ValueError as e:
         raise APIError(400, f"output_config.format.schema: {e}", param="output_config.format.schema")
+
+
+def constraint_field(body: MessagesRequest) -> str:
+    """The field a constraint's refusal names (the grammar engine's, while decoding)."""
+    if body.output_config and body.output_config.format:
+        return "output_config.format"
+    if body.tool_choice is not None and body.tool_choice.type in ("any", "tool"):
+        return "tool_choice"
+    return "thinking.budget_tokens" if body.thinking and body.thinking.budget_tokens else "tools"
 
 
 def thinking_context(body: CountTokensRequest) -> Optional[dict]:

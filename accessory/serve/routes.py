@@ -21,8 +21,8 @@ from accessory.serve.service import FieldError, GenerationService, Handle, Queue
 from accessory.serve.streaming import respond
 from accessory.serve.validation import (ToolUse, chat_messages, chat_tools, check_common, check_model, check_text,
                                         check_token_ids, constraint_field, forced_calls, held_calls, prompt_list,
-                                        sampling_of, stops, template_kwargs)
-from accessory.text.reasoning import ReasoningFormat, opens_reasoning, reasoning_format
+                                        reasoning_budget, sampling_of, stops, template_kwargs)
+from accessory.text.reasoning import opens_reasoning, reasoning_format
 from accessory.text.tool_calls import ToolReading, call_format, forced_format
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
@@ -141,14 +141,18 @@ async def chat_completions(body: ChatRequest, request: Request, served: AppServe
 
     context = template_kwargs(body)
 
+    thinking = reasoning_format(served.reasoning_parser, service.model.tokenizer.chat_template_text)
+    budget = reasoning_budget(body.max_reasoning_tokens, thinking, "max_reasoning_tokens")
+
     def make(loop):  # in a worker thread: decoding an image takes time too
         pixels = image and image_pixels(service.model, image, served.images)
         return service.submit_chat(messages, sampling, served.template, stops(body), loop, tools=use and use.tools,
-                                   context=context, image=pixels, **options, **labels(request, body))
+                                   context=context, reasoning=thinking, reasoning_budget=budget, image=pixels,
+                                   **options, **labels(request, body))
 
     reading = tool_reading(use, service, served, options)
     handle = await submit(make, constraint_field(body), "messages")
-    shape = Chat(service.model.tokenizer, reading, reasoning_reading(service, served, handle, reading))
+    shape = Chat(service.model.tokenizer, reading, thinking and (thinking, opens_reasoning(handle.prompt, thinking)))
     return await respond(shape, body, handle, request, head(body.model, service, handle, request))
 
 
@@ -201,17 +205,7 @@ def tool_reading(use: Optional[ToolUse], service, served: Served, options: dict)
     if fmt is None:
         return None
     names = frozenset(tool["function"]["name"] for tool in use.tools)
-    return ToolReading(fmt, names, use.parallel, forced=forced is not None)
-
-
-def reasoning_reading(service, served: Served, handle: Handle,
-                      calls: Optional[ToolReading]) -> Optional[tuple[ReasoningFormat, bool]]:
-    """How a chat reply is read for reasoning: its markers, and whether the prompt opened the block; None: it is
-    not. A reply held to calls starts with them, even where the prompt opened a block: it is all answer."""
-    if calls is not None and calls.forced:
-        return None
-    fmt = reasoning_format(served.reasoning_parser, service.model.tokenizer.chat_template_text)
-    return fmt and (fmt, opens_reasoning(handle.prompt, fmt))
+    return ToolReading(fmt, names, use.parallel)
 
 
 def labels(request: Request, body: SamplingFields) -> dict:

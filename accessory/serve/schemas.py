@@ -93,6 +93,7 @@ class Message(Strict):
     name: Optional[str] = None
     tool_calls: Optional[list[dict]] = None
     tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None  # an assistant turn's, as the server sent it: for templates that show it
 
 
 class Tool(Strict):
@@ -109,6 +110,7 @@ class ChatRequest(SamplingFields):
     tool_choice: Union[None, str, dict] = None
     parallel_tool_calls: Optional[bool] = None
     chat_template_kwargs: Optional[dict] = None
+    max_reasoning_tokens: Optional[int] = Field(None, ge=1)
 
 
 class TokenizeRequest(Strict):

@@ -29,6 +29,7 @@ from accessory.generation.requests import Event, Request, check_window, row_seed
 from accessory.network.memory import return_freed_memory
 from accessory.parallel.watchdog import active_watchdog
 from accessory.serve.metrics import Timing
+from accessory.text.reasoning import ReasoningFormat, closes_reasoning, opens_reasoning
 
 log = logging.getLogger(__name__)
 SAMPLING_KEYS = ("max_gen_len", "temperature", "top_p", "top_k", "repetition_penalty", "min_p", "presence_penalty",
@@ -166,11 +167,20 @@ class GenerationService:
 
     def submit_chat(self, messages: list[dict], sampling: Optional[dict] = None, template: Optional[str] = None,
                     stop: Sequence[str] = (), loop: Optional[asyncio.AbstractEventLoop] = None,
-                    tools: Optional[list] = None, context: Optional[dict] = None, **options) -> Handle:
+                    tools: Optional[list] = None, context: Optional[dict] = None,
+                    reasoning: Optional[ReasoningFormat] = None, reasoning_budget: Optional[int] = None,
+                    **options) -> Handle:
         """Queue the assistant's reply to OpenAI-style messages, in the model's chat template or a named
         LLaMA2-Accessory conversation template (whose stop symbols are added to `stop`). `tools`: function
-        definitions, for a chat template that writes them; `context`: more variables for the chat template."""
+        definitions, for a chat template that writes them; `context`: more variables for the chat template.
+        `reasoning`: the markers of the reply's reasoning, which then comes before what `options`' constraint
+        holds, and is closed after `reasoning_budget` tokens (constraints.after_reasoning); unless the prompt has
+        closed the block already (then the reply is all answer)."""
         prompt, template_stops = render_chat(self.model.tokenizer, messages, template, tools, context)
+        if reasoning is not None and not closes_reasoning(prompt, reasoning):
+            options["constraint"] = constraints.after_reasoning(
+                options.get("constraint"), (reasoning.start, reasoning.end), opens_reasoning(prompt, reasoning),
+                reasoning_budget)
         handle = self.submit(prompt, sampling, [*template_stops, *stop], loop, **options)
         handle.prompt = str(prompt)
         return handle

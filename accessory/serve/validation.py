@@ -13,6 +13,7 @@ from accessory.generation.constraints import JSON_OPTIONS, Constraint
 from accessory.text.tokenizer import IMAGE_PLACEHOLDER
 from accessory.serve.api_errors import APIError
 from accessory.serve.images import ImageRef
+from accessory.text.reasoning import ReasoningFormat
 from accessory.text.tool_calls import CallFormat, call_grammar, held_calls_grammar
 from accessory.serve.schemas import PART_MODELS, ChatRequest, ImagePart, Message, OtherPart, SamplingFields, TextPart
 
@@ -46,9 +47,11 @@ def constraint_fields(body: SamplingFields) -> list[str]:
 
 
 def constraint_field(body: SamplingFields) -> Optional[str]:
-    """The field a constraint's refusal names: a structured-output field, else a tool_choice that forces calls."""
+    """The field a constraint's refusal names: a structured-output field, else a tool_choice that forces calls,
+    else a cap on the reasoning."""
     forced = getattr(body, "tool_choice", None) not in (None, "auto", "none")
-    return next(iter(constraint_fields(body)), "tool_choice" if forced else None)
+    budget = "max_reasoning_tokens" if getattr(body, "max_reasoning_tokens", None) is not None else None
+    return next(iter(constraint_fields(body)), "tool_choice" if forced else budget)
 
 
 def constraint_of(body: SamplingFields) -> Optional[Constraint]:
@@ -127,7 +130,9 @@ def plain_message(message: Message, where: str, reads_images: bool, images: list
     if content is not None:
         check_text(content, f"{where}.content")
     plain = {"role": message.role, "content": content}
-    for key in ("name", "tool_calls", "tool_call_id"):
+    if message.reasoning_content is not None:
+        check_text(message.reasoning_content, f"{where}.reasoning_content")
+    for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
         if getattr(message, key) is not None:
             plain[key] = getattr(message, key)
     if message.tool_calls:
@@ -314,6 +319,14 @@ def check_tool_schema(tool: dict, field: str, fmt: CallFormat) -> None:
     if failed:
         raise APIError(400, f"{field}: the grammar engine cannot hold a call to this schema: "
                        f"{messages[0].splitlines()[0][:300] if messages else 'refused'}", param=field)
+
+
+def reasoning_budget(budget: Optional[int], thinking: Optional[ReasoningFormat], field: str) -> Optional[int]:
+    """A cap on the reply's reasoning tokens: for a model whose reasoning the server reads."""
+    if budget is not None and thinking is None:
+        raise APIError(400, f"{field}: this model's chat template writes no reasoning markers (the server's "
+                       f"--reasoning-parser reads none)", param=field)
+    return budget
 
 
 def stops(body: SamplingFields) -> list[str]:

@@ -39,6 +39,12 @@ def opens_reasoning(prompt: str, fmt: ReasoningFormat) -> bool:
     return prompt.rstrip().endswith(fmt.start)
 
 
+def closes_reasoning(prompt: str, fmt: ReasoningFormat) -> bool:
+    """Whether a rendered prompt ends with a reasoning block closed (Qwen3's, with enable_thinking false, writes it
+    empty): the reply is all answer."""
+    return prompt.rstrip().endswith(fmt.end)
+
+
 def split_reasoning(text: str, fmt: ReasoningFormat, opened: bool, final: bool) -> tuple[str, str]:
     """(reasoning, answer) of a whole reply (`final`) or its prefix so far; `opened`: the prompt ended inside the
     block. A reply that does not begin with the opening marker is all answer."""

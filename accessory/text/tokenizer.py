@@ -115,8 +115,33 @@ class Tokenizer:
         return pieces
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of `ids` (a list or a 1-D tensor), without special tokens such as EOS or end-of-turn."""
-        return self._backend.decode([int(i) for i in ids])
+        """Text of `ids` (a list or a 1-D tensor), without special tokens such as EOS or end-of-turn, but with the
+        tool-call and reasoning markers that a reply's readers need where they are special tokens (Mistral's
+        "[TOOL_CALLS]", Llama 3's "<|python_tag|>")."""
+        ids, kept = [int(i) for i in ids], self._kept_markers
+        if kept.keys().isdisjoint(ids):
+            return self._backend.decode(ids)
+        pieces, start = [], 0
+        for at, i in enumerate(ids):
+            if i in kept:
+                pieces += [self._backend.decode(ids[start:at]), kept[i]]
+                start = at + 1
+        return "".join(pieces) + self._backend.decode(ids[start:])
+
+    @cached_property
+    def _kept_markers(self) -> dict[int, str]:
+        """The special tokens `decode` writes: those whose text is a tool-call or reasoning marker."""
+        from accessory.text.reasoning import REASONING_FORMATS
+        from accessory.text.tool_calls import FORMATS
+
+        markers = {text for fmt in FORMATS.values() for text in (fmt.start, fmt.end, fmt.named)}
+        markers |= {text for fmt in REASONING_FORMATS.values() for text in (fmt.start, fmt.end)}
+        found = {}
+        for text in markers & self._backend.special_texts:
+            ids = self._backend.encode(text)
+            if len(ids) == 1:
+                found[ids[0]] = text
+        return found
 
     @cached_property
     def max_token_chars(self) -> int:

@@ -36,7 +36,9 @@ class CallFormat:
     `end`: the text that closes each call; `body`: OBJECT (one JSON object a call, `separator` between several), LIST
     (a JSON list of call objects) or PYTHON (a list of Python calls); `whole`: calls only as the whole reply;
     `argument_keys`: the call object's keys that may hold the arguments; `named`: a call may also be written as its
-    name, this text, then the arguments (Mistral's "[ARGS]")."""
+    name, this text, then the arguments (Mistral's "[ARGS]"); `bare`: a reply that is nothing but a call object
+    naming one of the request's tools, bare or in a ```json block, is a call too (Qwen2.5-Coder writes its calls
+    so, though its template asks for `start`)."""
     name: str
     start: str = ""
     end: str = ""
@@ -45,10 +47,11 @@ class CallFormat:
     whole: bool = False
     argument_keys: tuple[str, ...] = ("arguments", "parameters")
     named: str = ""
+    bare: bool = False
 
 
 FORMATS = {fmt.name: fmt for fmt in (
-    CallFormat("hermes", start="<tool_call>", end="</tool_call>"),
+    CallFormat("hermes", start="<tool_call>", end="</tool_call>", bare=True),
     CallFormat("llama3_json", start="<|python_tag|>", separator=";", whole=True,
                argument_keys=("parameters", "arguments")),
     CallFormat("mistral", start="[TOOL_CALLS]", body=LIST, named="[ARGS]"),
@@ -141,13 +144,11 @@ def call_schema(tool: dict, key: str) -> dict:
 
 @dataclass(frozen=True)
 class ToolReading:
-    """How a chat reply is read for tool calls: their format, the request's tools' names, whether a reply may
-    make several calls (parallel_tool_calls; if not, only its first is kept), and whether it was held to be
-    nothing but calls (tool_choice required or named)."""
+    """How a chat reply is read for tool calls: their format, the request's tools' names, and whether a reply may
+    make several calls (parallel_tool_calls; if not, only its first is kept)."""
     format: CallFormat
     tools: frozenset
     parallel: bool = True
-    forced: bool = False
 
 
 @dataclass
@@ -252,6 +253,9 @@ def scan(text: str, fmt: CallFormat, final: bool, tools: Optional[Collection[str
     between the scans of its growing text."""
     if fmt.whole:
         return _scan_whole(text, _Scan(fmt, final, memo=memo), tools)
+    bare = _scan_bare(text, final, tools, None if memo is None else memo.setdefault("bare", {})) if fmt.bare else None
+    if bare is not None:
+        return bare
     out, pos = Scanned(), 0
     while True:
         found = text.find(fmt.start, pos)
@@ -326,6 +330,26 @@ def _block(text: str, i: int, s: _Scan) -> int:
             raise _Incomplete
         return end + len(s.fmt.end)
     return i
+
+
+BARE_CALLS = CallFormat("bare", whole=True)  # a `bare` format's reply that is one call object
+_FENCE = re.compile(r"```(?:json)?[ \t]*\n")  # a Markdown code block's opening line
+
+
+def _scan_bare(text: str, final: bool, tools: Optional[Collection[str]], memo: Optional[dict]) -> Optional[Scanned]:
+    """A reply that is a call object and nothing else, bare or in a ```json block, read as BARE_CALLS; None where
+    it is not (or is blank so far: the markup scan holds blank space back); on an undecided prefix, nothing yet."""
+    body = text.lstrip()
+    if not body:
+        return None
+    if body.startswith("`"):
+        fence = _FENCE.match(body)
+        if fence is None:
+            undecided = not final and "\n" not in body and re.fullmatch(r"`{1,3}(?:j(?:s(?:o(?:n)?)?)?)?[ \t]*", body)
+            return Scanned() if undecided else None
+        body = body[fence.end():]  # the closing fence follows the call: dropped with what follows it
+    scanned = _scan_whole(body, _Scan(BARE_CALLS, final, memo=memo), tools)
+    return scanned if scanned.calls or not (scanned.content or final) else None
 
 
 def _scan_whole(text: str, s: _Scan, tools: Optional[Collection[str]]) -> Scanned:

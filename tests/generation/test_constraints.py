@@ -69,6 +69,18 @@ def test_json_schema_and_object(model):
             assert isinstance(json.loads(final.text), dict)
 
 
+@pytest.mark.parametrize("opened", [True, False])
+def test_reasoning_then_the_answer_the_constraint_holds(model, opened):
+    """after_reasoning: the reply reasons (at most 4 tokens, then "</think>" is forced), then writes what the
+    pattern holds; where the prompt did not open the block, the reply may also answer at once."""
+    from accessory.generation.constraints import after_reasoning
+
+    held = after_reasoning(Constraint("regex", r"[0-9]{3}/x"), ("<think>", "</think>"), opened, budget=4)
+    shape = r"(?s)(.*?)</think>\s*[0-9]{3}/x" if opened else r"(?s)(?:\s*<think>(.*?)</think>\s*)?[0-9]{3}/x"
+    for final in complete(model, held, max_gen_len=40):
+        assert final.finish_reason == "stop" and re.fullmatch(shape, final.text), final
+
+
 def test_a_pattern_that_does_not_compile_is_named(service):
     from accessory.generation.constraints import ConstraintError
 

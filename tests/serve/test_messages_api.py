@@ -2,7 +2,8 @@
 client, on the built-in model served in this process with Qwen2.5's chat template: text whole and streamed alike,
 as the OpenAI route answers the same messages; stop sequences and max_tokens named as the stop reason; a tool round
 trip (a required call whose input validates against its schema, whole and streamed alike, then its tool_result
-back through the template as the hand-written OpenAI-style turn renders it); thinking blocks streamed as whole;
+back through the template as the hand-written OpenAI-style turn renders it); strict tools; thinking with a budget,
+its blocks streamed as whole;
 x-api-key; and errors in Anthropic's shape, naming the field. The image block is in test_multimodal_serve.py."""
 from __future__ import annotations
 
@@ -127,6 +128,36 @@ def test_a_strict_tool_holds_the_call_to_its_schema(client):
                      tools=[{**TOOLS[0], "strict": strict}]).content[0].input for strict in (False, True)]
     assert inputs[0] == {"town": "Paris"}
     jsonschema.validate(inputs[1], {**WEATHER, "additionalProperties": False})
+
+
+@pytest.fixture(scope="module")
+def thinker(smollm2_checkpoint):
+    """The built-in model with a template that opens a reasoning block (tests/data/chat_templates/thinking-tools)."""
+    import anthropic
+    from starlette.testclient import TestClient
+
+    from accessory.serve.api import create_app
+
+    with running(smollm2_checkpoint, "thinking-tools") as service, \
+            TestClient(create_app(service, "smol", api_key=KEY)) as http:
+        yield anthropic.Anthropic(base_url="http://testserver", api_key=KEY, http_client=http, max_retries=0)
+
+
+def test_thinking_with_a_budget_is_a_thinking_block_then_the_answer(thinker):
+    """budget_tokens closes the reasoning block after that many tokens (the built-in model would not close it);
+    streamed, the thinking_delta and text_delta pieces add up to the whole reply's blocks; "omitted" sends the
+    thinking block empty; "disabled" reaches the template, which then writes the block empty: no thinking."""
+    fields = {"max_tokens": 40, "thinking": {"type": "enabled", "budget_tokens": 5}}
+    whole = create(thinker, **fields)
+    assert [block.type for block in whole.content] == ["thinking", "text"]
+    assert whole.content[0].thinking and whole.content[1].text
+    with thinker.messages.stream(model="smol", messages=QUESTION, extra_body=GREEDY, **fields) as stream:
+        streamed = stream.get_final_message()
+    assert [block.model_dump() for block in streamed.content] == [block.model_dump() for block in whole.content]
+    omitted = create(thinker, max_tokens=40, thinking={**fields["thinking"], "display": "omitted"})
+    assert omitted.content[0].thinking == "" and omitted.content[1].text == whole.content[1].text
+    disabled = create(thinker, max_tokens=12, thinking={"type": "disabled"})
+    assert [block.type for block in disabled.content] == ["text"]
 
 
 def test_thinking_blocks_stream_as_they_come_whole():

@@ -4,7 +4,9 @@ reply held by guided_regex to text and hermes
 calls comes back as `tool_calls` with finish_reason "tool_calls", whole and streamed alike (the streamed arguments'
 pieces add up to the whole reply's), the markup never in the content; parallel_tool_calls false keeps the first
 call; without tools, or with tool_choice "none", the same reply is plain content. A later turn carries the
-assistant's calls (arguments as OpenAI's JSON string) back through the template as the model wrote them."""
+assistant's calls (arguments as OpenAI's JSON string) back through the template as the model wrote them. Required,
+named and strict calls are held to their schemas. With a template that opens a reasoning block, the reasoning goes
+apart, is capped by max_reasoning_tokens, and comes before what a pattern or a required call holds."""
 from __future__ import annotations
 
 import json
@@ -234,7 +236,7 @@ def thinking(smollm2_checkpoint):
 
 def think(client, reply: str, stream: bool = False, **fields):
     body = {"model": "smol", "messages": [{"role": "user", "content": "Which city?"}], "max_tokens": 80,
-            "guided_regex": re.escape(reply), "stream": stream, **fields}
+            "guided_regex": re.escape(reply), "stream": stream, "temperature": 0, **fields}
     if not stream:
         answer = client.post("/v1/chat/completions", json=body)
         assert answer.status_code == 200, answer.text
@@ -250,18 +252,36 @@ def think(client, reply: str, stream: bool = False, **fields):
 
 
 def test_reasoning_goes_apart_from_the_answer_whole_and_streamed(thinking):
+    """The reasoning is the model's (at most 6 tokens: max_reasoning_tokens closes the block), the answer held to
+    the pattern after it; whole and streamed alike. Without a reasoning parser, the pattern holds the whole reply."""
     client, plain = thinking
+    message = think(client, "Paris.", max_reasoning_tokens=6)["message"]
+    assert message["reasoning_content"] and message["content"] == "Paris."
+    assert think(client, "Paris.", stream=True, max_reasoning_tokens=6) == {
+        "reasoning_content": message["reasoning_content"], "content": "Paris."}
     reply = THOUGHT + "\n</think>\n\nParis."
-    message = think(client, reply)["message"]
-    assert (message["reasoning_content"], message["content"]) == (THOUGHT, "Paris.")
-    assert think(client, reply, stream=True) == {"reasoning_content": THOUGHT, "content": "Paris."}
     assert think(plain, reply)["message"]["content"] == reply  # --reasoning-parser none
+
+
+def test_max_reasoning_tokens_closes_the_block_and_the_answer_follows(thinking):
+    """Left alone, the built-in model (no thinking model) never closes the block the prompt opened: the reply is
+    all reasoning. With max_reasoning_tokens the block is closed after that many tokens and the answer follows."""
+    client, _ = thinking
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Which city?"}], "max_tokens": 40,
+            "temperature": 0}
+    alone = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert alone["message"]["content"] == "" and alone["message"]["reasoning_content"]
+    capped = client.post("/v1/chat/completions", json={**body, "max_reasoning_tokens": 5}).json()["choices"][0]
+    thought, answer = capped["message"]["reasoning_content"], capped["message"]["content"]
+    assert alone["message"]["reasoning_content"].startswith(thought) and answer
+    tokens = client.post("/tokenize", json={"model": "smol", "prompt": thought, "add_special_tokens": False}).json()
+    assert tokens["count"] <= 5
 
 
 def test_chat_template_kwargs_reach_the_template(thinking):
     client, _ = thinking
     message = think(client, "Paris.", chat_template_kwargs={"enable_thinking": False})["message"]
-    assert message["content"] == "Paris." and message["reasoning_content"] is None
+    assert message["content"] == "Paris." and message["reasoning_content"] is None, message
     answer = client.post("/v1/chat/completions", json={"model": "smol", "messages": [{"role": "user", "content": "x"}],
                                                        "chat_template_kwargs": {"messages": []}})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "chat_template_kwargs"
@@ -269,15 +289,25 @@ def test_chat_template_kwargs_reach_the_template(thinking):
 
 def test_calls_are_read_in_the_answer_after_the_reasoning(thinking):
     client, _ = thinking
-    choice = think(client, THOUGHT + "\n</think>\n\n" + CALL, tools=TOOLS)
-    assert choice["message"]["reasoning_content"] == THOUGHT and choice["finish_reason"] == "tool_calls"
+    choice = think(client, CALL, tools=TOOLS, max_reasoning_tokens=6)
+    assert choice["message"]["reasoning_content"] and choice["finish_reason"] == "tool_calls"
     assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
 
 
-def test_a_required_call_where_the_prompt_opened_reasoning_is_read_as_the_answer(thinking):
+def test_a_required_call_comes_after_the_reasoning(thinking):
+    """The prompt opened a reasoning block: the grammar lets the reply reason (here at most 6 tokens), then holds
+    it to the call."""
     client, _ = thinking
     body = {"model": "smol", "messages": [{"role": "user", "content": "Which city?"}], "max_tokens": 80,
-            "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+            "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "max_reasoning_tokens": 6, "temperature": 0}
     message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
-    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
-    assert message.get("reasoning_content") is None and message["content"] is None
+    (call,) = message["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and message["content"] is None and message["reasoning_content"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), TOOLS[0]["function"]["parameters"])
+
+
+def test_max_reasoning_tokens_needs_a_model_that_reasons(client):
+    answer = client.post("/v1/chat/completions", json={"model": "smol", "max_reasoning_tokens": 8,
+                                                       "messages": [{"role": "user", "content": "Hi"}]})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "max_reasoning_tokens"

@@ -30,6 +30,11 @@ CORPUS = {
         ('<tool_call>{"name": "f", "arguments": {"a": [1, 2', "", [("f", '{"a": [1, 2')]),
         ('<tool_call>{"nam', '<tool_call>{"nam', []),
         ("a < b and <tool", "a < b and <tool", []),
+        # Qwen2.5-Coder's calls: a bare call object, or one in a Markdown block
+        (' {"name": "get_weather", "arguments": {"city": "Paris"}}', "", [("get_weather", '{"city": "Paris"}')]),
+        ('```json\n{"name": "now", "arguments": {}}\n```', "", [("now", "{}")]),
+        ("```python\nprint(1)\n```", "```python\nprint(1)\n```", []),
+        ('{"answer": 42}', '{"answer": 42}', []),
     ],
     "llama3_json": [
         ('{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [("get_weather", '{"city": "Paris"}')]),
@@ -101,11 +106,11 @@ def test_no_markup_goes_out_as_content_before_a_call(fmt):
     assert "".join(sent) == "Checking." and not any("<" in piece or "[" in piece for piece in sent)
 
 
-def test_a_reply_that_only_looks_like_a_call_is_content_unless_it_names_a_tool():
-    fmt = FORMATS["llama3_json"]
+@pytest.mark.parametrize("fmt", ["llama3_json", "hermes"])
+def test_a_reply_that_only_looks_like_a_call_is_content_unless_it_names_a_tool(fmt):
     reply = '{"name": "John", "parameters": {"age": 3}}'
-    assert parse(reply, fmt, tools={"get_weather"}) == (reply, [])
-    content, calls = parse(reply, fmt, tools={"John"})
+    assert parse(reply, FORMATS[fmt], tools={"get_weather"}) == (reply, [])
+    content, calls = parse(reply, FORMATS[fmt], tools={"John"})
     assert content == "" and [call.name for call in calls] == ["John"]
 
 
@@ -114,3 +119,26 @@ def test_a_reply_that_only_looks_like_a_call_is_content_unless_it_names_a_tool()
 def test_the_format_is_found_in_the_chat_template(template, fmt):
     text = (REPO / f"tests/data/chat_templates/{template}.jinja").read_text()
     assert detect_format(text) is (FORMATS[fmt] if fmt else None)
+
+
+def test_markers_that_are_special_tokens_are_decoded(smollm2_checkpoint, tmp_path):
+    """Mistral's "[TOOL_CALLS]" is a special token, which decoding drops like EOS; the reply's reader needs it, so
+    decode keeps the markers of FORMATS and REASONING_FORMATS (here added to the built-in model's tokenizer as
+    special tokens) and drops the others."""
+    import tokenizers
+
+    from accessory.text.tokenizer import Tokenizer
+
+    tk = tokenizers.Tokenizer.from_file(str(smollm2_checkpoint / "tokenizer.json"))
+    tk.add_special_tokens(["[TOOL_CALLS]", "<|python_tag|>", "[NOT_A_MARKER]"])
+    tk.save(str(tmp_path / "tokenizer.json"))
+    for side in ("tokenizer_config.json", "generation_config.json"):  # its EOS
+        (tmp_path / side).write_bytes((smollm2_checkpoint / side).read_bytes())
+    tokenizer = Tokenizer(tmp_path / "tokenizer.json")
+    reply = '[TOOL_CALLS][{"name": "f", "arguments": {}}]'
+    ids = tokenizer.encode(reply + "[NOT_A_MARKER]<|im_end|>", bos=False, eos=False)
+    assert ids[0] == tk.token_to_id("[TOOL_CALLS]")
+    assert tokenizer.decode(ids) == reply
+    assert tokenizer.decode(tokenizer.encode("<|python_tag|>x", bos=False, eos=False)) == "<|python_tag|>x"
+    content, calls = parse(tokenizer.decode(ids), FORMATS["mistral"])
+    assert content == "" and [(call.name, call.arguments) for call in calls] == [("f", "{}")]

@@ -112,6 +112,8 @@ def render_chat(tokenizer, messages: list[dict], template: Optional[str] = None,
     when it holds a special token's text)."""
     check_messages(messages)
     messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    # an assistant's turn of calls only: its content as the text templates can add to (Qwen3's, "" + content)
+    messages = [{**m, "content": ""} if m["content"] is None else m for m in messages]
     if messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
         messages = messages[:-1]  # nothing to continue: a new reply
         if not messages:

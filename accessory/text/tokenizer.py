@@ -134,7 +134,7 @@ class Tokenizer:
         from accessory.text.reasoning import REASONING_FORMATS
         from accessory.text.tool_calls import FORMATS
 
-        markers = {text for fmt in FORMATS.values() for text in (fmt.start, fmt.end, fmt.named)}
+        markers = {text for fmt in FORMATS.values() for text in (fmt.start, fmt.end, fmt.named, fmt.named_id)}
         markers |= {text for fmt in REASONING_FORMATS.values() for text in (fmt.start, fmt.end)}
         found = {}
         for text in markers & self._backend.special_texts:

@@ -36,7 +36,8 @@ class CallFormat:
     `end`: the text that closes each call; `body`: OBJECT (one JSON object a call, `separator` between several), LIST
     (a JSON list of call objects) or PYTHON (a list of Python calls); `whole`: calls only as the whole reply;
     `argument_keys`: the call object's keys that may hold the arguments; `named`: a call may also be written as its
-    name, this text, then the arguments (Mistral's "[ARGS]"); `bare`: a reply that is nothing but a call object
+    name, this text, then the arguments (Mistral's "[ARGS]"), with between them, after `named_id`, the call's id
+    (Mistral Small 3.2's "[CALL_ID]"); `bare`: a reply that is nothing but a call object
     naming one of the request's tools, bare or in a ```json block, is a call too (Qwen2.5-Coder writes its calls
     so, though its template asks for `start`)."""
     name: str
@@ -47,6 +48,7 @@ class CallFormat:
     whole: bool = False
     argument_keys: tuple[str, ...] = ("arguments", "parameters")
     named: str = ""
+    named_id: str = ""
     bare: bool = False
 
 
@@ -54,7 +56,7 @@ FORMATS = {fmt.name: fmt for fmt in (
     CallFormat("hermes", start="<tool_call>", end="</tool_call>", bare=True),
     CallFormat("llama3_json", start="<|python_tag|>", separator=";", whole=True,
                argument_keys=("parameters", "arguments")),
-    CallFormat("mistral", start="[TOOL_CALLS]", body=LIST, named="[ARGS]"),
+    CallFormat("mistral", start="[TOOL_CALLS]", body=LIST, named="[ARGS]", named_id="[CALL_ID]"),
     CallFormat("pythonic", body=PYTHON, whole=True),
 )}
 
@@ -531,14 +533,19 @@ def _list(text: str, i: int, s: _Scan, item=None) -> int:
 _NAME = re.compile(r"[A-Za-z_][\w.\-]*")
 
 
+_CALL_ID = re.compile(r"[A-Za-z0-9_-]*")
+
+
 def _named(text: str, i: int, s: _Scan) -> int:
     """`name` + s.fmt.named + arguments at i (Mistral's newer form); where the arguments end."""
     match = _NAME.match(text, i)
     if match is None:
         raise _NotACall
     after = match.end()
+    if s.fmt.named_id and text.startswith(s.fmt.named_id, after):  # the call's id, which the reply does not need
+        after = _CALL_ID.match(text, after + len(s.fmt.named_id)).end()
     if not text.startswith(s.fmt.named, after):
-        if s.fmt.named.startswith(text[after:]):
+        if s.fmt.named.startswith(text[after:]) or s.fmt.named_id.startswith(text[after:]):
             raise _Incomplete
         raise _NotACall
     call = Call(match.group())

@@ -51,6 +51,8 @@ CORPUS = {
         ('Sure. [TOOL_CALLS][{"name": "note", "arguments": ' + NOTE + "}]", "Sure.", [("note", NOTE)]),
         ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "", [("get_weather", '{"city": "Paris"}')]),
         ('[TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]b[ARGS]{}', "", [("a", '{"x": 1}'), ("b", "{}")]),
+        ('[TOOL_CALLS]get_weather[CALL_ID]abc123def[ARGS]{"city": "Paris"}', "", [("get_weather",
+                                                                                 '{"city": "Paris"}')]),
         ("No tools needed [here].", "No tools needed [here].", []),
     ],
     "pythonic": [
@@ -114,11 +116,51 @@ def test_a_reply_that_only_looks_like_a_call_is_content_unless_it_names_a_tool(f
     assert content == "" and [call.name for call in calls] == ["John"]
 
 
+# Real templates, as llama.cpp's repository keeps them for its own tests (models/templates, vendored in
+# llama-cpp-python 0.3.36's sdist), each from its model's Hugging Face repository
+REAL_TEMPLATES = [("Qwen-Qwen2.5-7B-Instruct", "hermes", None), ("Qwen-Qwen3-0.6B", "hermes", "qwen3"),
+                  ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use", "hermes", None),
+                  ("meta-llama-Llama-3.1-8B-Instruct", "llama3_json", None),
+                  ("mistralai-Mistral-Nemo-Instruct-2407", "mistral", None),
+                  ("Mistral-Small-3.2-24B-Instruct-2506", "mistral", None),
+                  ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", None, "qwen3")]
+
+
 @pytest.mark.parametrize("template, fmt", [("qwen2.5-tools", "hermes"), ("llama3.1-tools", "llama3_json"),
-                                           ("chatml", None), ("llama2", None)])
+                                           ("chatml", None), ("llama2", None),
+                                           *((name, fmt) for name, fmt, _ in REAL_TEMPLATES)])
 def test_the_format_is_found_in_the_chat_template(template, fmt):
     text = (REPO / f"tests/data/chat_templates/{template}.jinja").read_text()
     assert detect_format(text) is (FORMATS[fmt] if fmt else None)
+
+
+@pytest.mark.parametrize("template, fmt, thinking", REAL_TEMPLATES, ids=[t[0] for t in REAL_TEMPLATES])
+def test_a_real_templates_own_calls_read_back_as_the_calls(smollm2_checkpoint, template, fmt, thinking):
+    """An assistant turn of calls (OpenAI's shape, content null), rendered by the family's real template with its
+    tool's result after it, is read back by the format found in that template as the same call; the reasoning
+    markers are found where the template writes them."""
+    from accessory.generation.chat import render_chat
+    from accessory.text.reasoning import REASONING_FORMATS, reasoning_format
+    from accessory.text.tokenizer import Tokenizer
+
+    path = REPO / f"tests/data/chat_templates/{template}.jinja"
+    assert reasoning_format("auto", path.read_text()) is (REASONING_FORMATS[thinking] if thinking else None)
+    if fmt is None:
+        return
+    tokenizer = Tokenizer(smollm2_checkpoint / "tokenizer.json")
+    tokenizer.set_chat_template(path)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "city": {"type": "string"}}, "required": ["city"]}}}]
+    asked = [{"role": "user", "content": "Weather in Paris?"}]
+    call = {"id": "abc123def", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    answered = [*asked, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "abc123def", "name": "get_weather", "content": "21 C"}]
+    before, _ = render_chat(tokenizer, asked, tools=tools)
+    after, _ = render_chat(tokenizer, answered, tools=tools)
+    assert after.startswith(before) and "21 C" in after
+    _, calls = parse(after[len(before):], FORMATS[fmt], tools={"get_weather"})
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
 
 
 def test_markers_that_are_special_tokens_are_decoded(smollm2_checkpoint, tmp_path):

@@ -133,7 +133,7 @@ def test_required_calls_validate_against_the_tools_schema_on_every_seed(client):
     """The built-in model knows nothing of tools: the grammar writes the markup and holds the arguments."""
     with ThreadPoolExecutor(8) as pool:
         choices = list(pool.map(lambda seed: forced(client, "required", temperature=1.0, seed=seed,
-                                                    parallel_tool_calls=False), range(16)))
+                                                    parallel_tool_calls=False), range(8)))
     for choice in choices:
         assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
         (call,) = choice["message"]["tool_calls"]

@@ -53,6 +53,8 @@ def cpu_kernels() -> bool:
             torch.ops.load_library(str(path))
             torch.library.register_fake("accessory::quantized_linear_cpu")(
                 lambda x, fmt, q, scale, minimum: x.new_empty(x.shape[0], q.shape[0]))
+            torch.library.register_fake("accessory::dequantize_gguf_cpu")(
+                lambda q, fmt, features: q.new_empty(q.shape[0], features, dtype=torch.float32))
             torch.library.register_fake("accessory::int4_int8x_linear_cpu")(
                 lambda x, q, scale, minimum, outputs: x.new_empty(x.shape[0], outputs))
             torch.library.register_fake("accessory::linear_cpu")(lambda x, w: x.new_empty(x.shape[0], w.shape[0]))

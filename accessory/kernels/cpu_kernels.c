@@ -960,6 +960,39 @@ int accessory_linear_gguf(const char *fmt, const float *x, int64_t M, int64_t K,
     return 0;
 }
 
+/* W (N, K) in a GGUF block format as float32, each weight as the tile products make it (as the reference
+   dequantizes it): for more rows of x than the kernels take, where a GEMM library multiplies the rows so made.
+   A function per format, as DEFINE_LINEAR's. */
+#define DEFINE_DEQUANTIZE(NAME, FMT)                                                                                 \
+    static void NAME(const uint8_t *q, int64_t N, int64_t K, float *out) {                                           \
+        const int64_t groups = K / GROUP, row_bytes = row_bytes_of(FMT, K), stride = groups * SCALES_PER_GROUP(FMT);  \
+        _Pragma("omp parallel for schedule(static)") for (int64_t n = 0; n < N; n++) {                               \
+            float s[stride], mn[stride];                                                                             \
+            vec w[VECTORS];                                                                                          \
+            const uint8_t *row = q + n * row_bytes;                                                                  \
+            block_scales(FMT, row, K, s, mn);                                                                        \
+            for (int64_t g = 0; g < groups; g++) {                                                                   \
+                group_weights(FMT, row, g, s, mn, w);                                                                \
+                for (int v = 0; v < VECTORS; v++) vec_store(out + n * K + g * GROUP + v * LANES, w[v]);              \
+            }                                                                                                        \
+        }                                                                                                            \
+    }
+
+DEFINE_DEQUANTIZE(dequantize_q4_k, Q4_K)
+DEFINE_DEQUANTIZE(dequantize_q5_k, Q5_K)
+DEFINE_DEQUANTIZE(dequantize_q6_k, Q6_K)
+DEFINE_DEQUANTIZE(dequantize_q5_0, Q5_0)
+
+/* Returns 0, or -1 for a name it does not know. */
+int accessory_dequantize_gguf(const char *fmt, const uint8_t *q, int64_t N, int64_t K, float *out) {
+    if (!strcmp(fmt, "q4_k")) dequantize_q4_k(q, N, K, out);
+    else if (!strcmp(fmt, "q5_k")) dequantize_q5_k(q, N, K, out);
+    else if (!strcmp(fmt, "q6_k")) dequantize_q6_k(q, N, K, out);
+    else if (!strcmp(fmt, "q5_0")) dequantize_q5_0(q, N, K, out);
+    else return -1;
+    return 0;
+}
+
 /* ---- attention of one new token per row, over its own cached positions ------------------------------------- */
 
 /* e^x for x <= 0 (softmax's shifted scores), LANES at a time: Cephes' expf (2^n times a degree-6 polynomial of the

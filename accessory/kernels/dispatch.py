@@ -7,7 +7,7 @@ torch path that computes the same values by other arithmetic.
 - `quantized_linear`: x @ W^T for a quantized W. The kernels take up to KERNEL_MAX_ROWS rows of float32 x on the
   CPU (BLOCK_KERNEL_MAX_ROWS for GGUF's block formats), and up to MAX_ROWS rows of bfloat16 / float16 x on CUDA
   (Triton kernels, cuda.py; int8 / int4); more rows (prefill), float32 on CUDA, GGUF's block formats on CUDA, or no
-  kernels: W is dequantized in row chunks for F.linear.
+  kernels: W is dequantized in row chunks for F.linear (a GGUF block format's by a kernel on the CPU).
 - `quantized_linear` with `int8x` parts (a draft model's int4 weights repacked by `pack_int4_int8x`): up to
   INT8X_MAX_ROWS rows take the kernel that quantizes x to int8 and multiplies in integers (AVX-512 VNNI or AVX2), as
   llama.cpp does Q4_1. Close to the exact product, not equal: a draft's proposals are verified, so its numerics
@@ -45,9 +45,10 @@ from accessory.quant.formats import GGUF_BLOCKS, PARTS, QUANTIZERS, dequantize, 
 # chunks first). Measured on SmolLM2's shapes (benchmarks/README.md).
 FLOAT_KERNEL_MAX_ROWS = 16
 KERNEL_MAX_ROWS = 32
-# GGUF's block formats (q4_k, ...): their portable path dequantizes through many small torch operations (about 1 ms
-# a million weights), so the kernels stay as fast or faster up to about 128 rows (Gemma 3 270M's products, one
-# thread: Q6_K's cross there, Q4_K's near 200, Q5_0's near 500; benchmarks/README.md)
+# GGUF's block formats (q4_k, ...): up to about 128 rows the products' kernels were as fast as dequantizing through
+# many small torch operations then F.linear (Gemma 3 270M's products, one thread: Q6_K's cross there, Q4_K's near
+# 200, Q5_0's near 500; benchmarks/README.md). Past them W is now dequantized by a kernel (dequantize_gguf_cpu),
+# which moves the crossing lower: to be measured again (issue 39).
 BLOCK_KERNEL_MAX_ROWS = 128
 # A draft's steps feed one token per row: the int8-x kernel up to 16 rows (a pass over SmolLM2's products from memory,
 # 2 threads: 3.3 against 6.8 ms at 1 row, 16.0 against 20.1 at 16; benchmarks/kernels.py), the exact paths beyond.
@@ -133,13 +134,19 @@ def pack_int4_int8x(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor)
 
 
 def _dequantized_product(x, fmt, q, scale, minimum) -> torch.Tensor:
-    """x @ W^T through F.linear, dequantizing at most CHUNK_BYTES of W at a time."""
+    """x @ W^T through F.linear, dequantizing at most CHUNK_BYTES of W at a time (a GGUF block format's by the
+    kernel, where the kernels are loaded: the portable path's many small operations cost more than the product)."""
     step = max(1, CHUNK_BYTES // (4 * x.shape[-1]))
+    kernel = fmt in GGUF_BLOCKS and _kernels_here(x.device)
     outs = []
     for start in range(0, q.shape[0], step):
-        parts = {name: part[start:start + step] for name, part in (("q", q), ("scale", scale), ("min", minimum))
-                 if part is not None}
-        outs.append(F.linear(x, dequantize(parts, fmt, x.dtype)))
+        if kernel:
+            weight = torch.ops.accessory.dequantize_gguf_cpu(q[start:start + step], fmt, x.shape[-1]).to(x.dtype)
+        else:
+            parts = {name: part[start:start + step] for name, part in (("q", q), ("scale", scale), ("min", minimum))
+                     if part is not None}
+            weight = dequantize(parts, fmt, x.dtype)
+        outs.append(F.linear(x, weight))
     return torch.cat(outs, dim=-1)
 
 

@@ -1,4 +1,4 @@
-// The CPU kernels of cpu_kernels.c as torch operators (accessory::linear_cpu, quantized_linear_cpu,
+// The CPU kernels of cpu_kernels.c as torch operators (accessory::linear_cpu, quantized_linear_cpu, dequantize_gguf_cpu,
 // int4_int8x_linear_cpu, decode_attention_cpu, rms_norm_cpu, rotary_cpu, gated_cpu, attend_cpu, and a block's halves
 // attention_block_cpu and mlp_block_cpu), so that eager code and torch.compile's generated code both reach them through the dispatcher at C++ cost.
 #include <ATen/core/Tensor.h>
@@ -18,6 +18,7 @@ void accessory_linear_int8(const float *x, int64_t M, int64_t K, const int8_t *q
 void accessory_linear_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y);
 int accessory_linear_gguf(const char *fmt, const float *x, int64_t M, int64_t K, const uint8_t *q, int64_t N,
                           float *y);
+int accessory_dequantize_gguf(const char *fmt, const uint8_t *q, int64_t N, int64_t K, float *out);
 int accessory_linear_int4_int8x(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *scale,
                                const uint16_t *mins, int64_t N, float *y);
 int accessory_int4_int8x(void);
@@ -46,6 +47,19 @@ static bool gguf_block(c10::string_view fmt, int64_t &values, int64_t &bytes) {
     else if (fmt == "q5_0") values = 32, bytes = 22;
     else return false;
     return true;
+}
+
+// W (out, in) in a GGUF block format as float32, exactly as the products' kernels make each weight.
+static at::Tensor dequantize_gguf_cpu(const at::Tensor &q, c10::string_view fmt, int64_t features) {
+    int64_t values = 0, bytes = 0;
+    TORCH_CHECK(gguf_block(fmt, values, bytes), "dequantize_gguf_cpu: ", fmt, " is not a GGUF block format");
+    TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kByte && features % values == 0 &&
+                q.size(1) == features / values * bytes, "dequantize_gguf_cpu: ", fmt, " needs uint8 q (out, in / ",
+                values, " * ", bytes, ") and in a multiple of ", values);
+    at::Tensor w = at::empty({q.size(0), features}, q.options().dtype(at::kFloat));
+    const std::string name(fmt.data(), fmt.size());
+    accessory_dequantize_gguf(name.c_str(), q.data_ptr<uint8_t>(), q.size(0), features, w.data_ptr<float>());
+    return w;
 }
 
 static at::Tensor quantized_linear_cpu(const at::Tensor &x, c10::string_view fmt, const at::Tensor &q,
@@ -307,6 +321,7 @@ static at::Tensor shm_all_gather(const at::Tensor &x, int64_t group, int64_t wor
 
 TORCH_LIBRARY(accessory, m) {
     m.def("quantized_linear_cpu(Tensor x, str fmt, Tensor q, Tensor? scale, Tensor? minimum) -> Tensor");
+    m.def("dequantize_gguf_cpu(Tensor q, str fmt, int features) -> Tensor");
     m.def("int4_int8x_linear_cpu(Tensor x, Tensor q, Tensor scale, Tensor minimum, int outputs) -> Tensor");
     m.def("linear_cpu(Tensor x, Tensor w) -> Tensor");
     m.def("decode_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor positions) -> Tensor");
@@ -327,6 +342,7 @@ TORCH_LIBRARY(accessory, m) {
 
 TORCH_LIBRARY_IMPL(accessory, CPU, m) {
     m.impl("quantized_linear_cpu", &quantized_linear_cpu);
+    m.impl("dequantize_gguf_cpu", &dequantize_gguf_cpu);
     m.impl("int4_int8x_linear_cpu", &int4_int8x_linear_cpu);
     m.impl("linear_cpu", &linear_cpu);
     m.impl("decode_attention_cpu", &decode_attention_cpu);

@@ -86,6 +86,17 @@ def test_synthetic_blocks_dequantize_exactly_as_gguf(fmt):
     assert low.dtype == torch.bfloat16 and torch.equal(low, theirs(blocks, fmt).bfloat16())
 
 
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_the_kernels_dequantize_exactly_as_gguf(fmt):
+    """The dequantizing path's kernel (more rows than the products' kernels take): gguf's values bit for bit."""
+    from accessory.kernels.build import cpu_kernels
+
+    assert cpu_kernels()
+    blocks = random_blocks(fmt, 21, 768, seed=4)
+    assert torch.equal(torch.ops.accessory.dequantize_gguf_cpu(torch.from_numpy(blocks), fmt, 768),
+                       theirs(blocks, fmt))
+
+
 # ---- kernels --------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", K_FORMATS)
@@ -141,6 +152,10 @@ def test_every_kernel_variant_equals_the_reference(tmp_path, march, isa):
             assert lib.accessory_linear_gguf(fmt.encode(), *[ctypes.c_int64(a) for a in args]) == 0
             reference = x[:rows].double() @ dequantize({"q": q}, fmt).double().T
             assert (out.double() - reference).abs().max() <= 1e-5 * reference.abs().max(), (fmt, rows)
+        weights = torch.empty(37, 1280)
+        args = [q.data_ptr(), 37, 1280, weights.data_ptr()]
+        assert lib.accessory_dequantize_gguf(fmt.encode(), *[ctypes.c_int64(a) for a in args]) == 0
+        assert torch.equal(weights, dequantize({"q": q}, fmt)), fmt
 
 
 def test_a_compiled_graph_calls_the_kernel():

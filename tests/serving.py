@@ -127,3 +127,14 @@ def running(checkpoint, template: str):
     finally:
         service.shutdown()
         runner.join(timeout=30)
+
+
+@contextmanager
+def app_client(service, **options):
+    """A TestClient of the API app over `service` (create_app's `options`)."""
+    from starlette.testclient import TestClient
+
+    from accessory.serve.api import create_app
+
+    with TestClient(create_app(service, "smol", **options)) as client:
+        yield client

@@ -12,7 +12,7 @@ import json
 import jsonschema
 import pytest
 
-from serving import running
+from serving import app_client, running
 
 KEY = "anthropic-key"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -29,11 +29,7 @@ def service(smollm2_checkpoint):
 
 @pytest.fixture(scope="module")
 def http(service):
-    from starlette.testclient import TestClient
-
-    from accessory.serve.api import create_app
-
-    with TestClient(create_app(service, "smol", api_key=KEY)) as http:
+    with app_client(service, api_key=KEY) as http:
         yield http
 
 
@@ -134,12 +130,8 @@ def test_a_strict_tool_holds_the_call_to_its_schema(client):
 def thinker(smollm2_checkpoint):
     """The built-in model with a template that opens a reasoning block (tests/data/chat_templates/thinking-tools)."""
     import anthropic
-    from starlette.testclient import TestClient
 
-    from accessory.serve.api import create_app
-
-    with running(smollm2_checkpoint, "thinking-tools") as service, \
-            TestClient(create_app(service, "smol", api_key=KEY)) as http:
+    with running(smollm2_checkpoint, "thinking-tools") as service, app_client(service, api_key=KEY) as http:
         yield anthropic.Anthropic(base_url="http://testserver", api_key=KEY, http_client=http, max_retries=0)
 
 

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import pytest
 
-from serving import running
+from serving import app_client, running
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {
@@ -41,11 +41,7 @@ def service(smollm2_checkpoint):
 
 @pytest.fixture(scope="module")
 def client(service):
-    from starlette.testclient import TestClient
-
-    from accessory.serve.api import create_app
-
-    with TestClient(create_app(service, "smol")) as client:
+    with app_client(service) as client:
         yield client
 
 
@@ -165,11 +161,7 @@ def test_a_function_named_like_a_mode_is_still_called(client):
 
 
 def test_a_model_whose_calls_are_python_is_held_to_a_json_list_instead(service):
-    from starlette.testclient import TestClient
-
-    from accessory.serve.api import create_app
-
-    with TestClient(create_app(service, "smol", tool_call_parser="pythonic")) as client:
+    with app_client(service, tool_call_parser="pythonic") as client:
         choice = forced(client, {"type": "function", "function": {"name": "forecast"}})
         strict = [{"type": "function", "function": {"name": "forecast", "parameters": FORECAST, "strict": True}}]
         refused = client.post("/v1/chat/completions", json={"model": "smol", "max_tokens": 4, "tools": strict,
@@ -225,12 +217,8 @@ THOUGHT = "The user asks for a city."
 @pytest.fixture(scope="module")
 def thinking(smollm2_checkpoint):
     """The built-in model with a template that opens a reasoning block (tests/data/chat_templates/thinking-tools)."""
-    from starlette.testclient import TestClient
-
-    from accessory.serve.api import create_app
-
-    with running(smollm2_checkpoint, "thinking-tools") as service, TestClient(create_app(service, "smol")) as client, \
-            TestClient(create_app(service, "smol", reasoning_parser="none")) as plain:
+    with running(smollm2_checkpoint, "thinking-tools") as service, app_client(service) as client, \
+            app_client(service, reasoning_parser="none") as plain:
         yield client, plain
 
 
@@ -305,6 +293,19 @@ def test_a_required_call_comes_after_the_reasoning(thinking):
     (call,) = message["tool_calls"]
     assert call["function"]["name"] == "get_weather" and message["content"] is None and message["reasoning_content"]
     jsonschema.validate(json.loads(call["function"]["arguments"]), TOOLS[0]["function"]["parameters"])
+
+
+def test_an_assistants_reasoning_content_goes_back_to_the_template(thinking):
+    """As a client sends the server's reply back (the openai SDK's model_dump): taken, and its text checked."""
+    client, _ = thinking
+    turn = {"role": "assistant", "content": "Paris.", "reasoning_content": THOUGHT}
+    messages = [{"role": "user", "content": "Which city?"}, turn, {"role": "user", "content": "Why?"}]
+    counted = client.post("/tokenize", json={"model": "smol", "messages": messages})
+    assert counted.status_code == 200, counted.text
+    bad = [messages[0], {**turn, "reasoning_content": "\ud800"}, messages[2]]
+    refused = client.post("/tokenize", headers={"content-type": "application/json"},
+                          content=json.dumps({"model": "smol", "messages": bad}))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages.1.reasoning_content"
 
 
 def test_max_reasoning_tokens_needs_a_model_that_reasons(client):

@@ -14,6 +14,7 @@ from typing import Optional, Union
 
 from fastapi import APIRouter, Request
 
+from accessory.generation.chat import render_chat
 from accessory.generation.constraints import Constraint
 from accessory.serve.anthropic_replies import Reading, respond
 from accessory.serve.anthropic_schemas import (BLOCKS, TAKEN, AnthropicTool, AnthropicToolChoice, CountTokensRequest,
@@ -70,8 +71,6 @@ async def count_tokens(body: CountTokensRequest, served: AppServed):
     use = anthropic_tools(body)
 
     def count():
-        from accessory.generation.chat import render_chat
-
         pixels = image and image_pixels(service.model, image, served.images)
         prompt, _ = render_chat(service.model.tokenizer, plain, served.template, use and use.tools,
                                 thinking_context(body))

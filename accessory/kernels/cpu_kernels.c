@@ -76,6 +76,7 @@ INLINE vec vec_add(vec a, vec b) { return _mm512_add_ps(a, b); }
 INLINE float vec_sum(vec a) { return _mm512_reduce_add_ps(a); }
 INLINE vec vec_set1(float a) { return _mm512_set1_ps(a); }
 INLINE vec vec_mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+INLINE vec vec_div(vec a, vec b) { return _mm512_div_ps(a, b); }
 INLINE vec vec_max(vec a, vec b) { return _mm512_max_ps(a, b); }
 INLINE float vec_max_lane(vec a) { return _mm512_reduce_max_ps(a); }
 INLINE void vec_store(float *p, vec a) { _mm512_storeu_ps(p, a); }
@@ -197,6 +198,7 @@ INLINE float vec_sum(vec a) {
 }
 INLINE vec vec_set1(float a) { return _mm256_set1_ps(a); }
 INLINE vec vec_mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+INLINE vec vec_div(vec a, vec b) { return _mm256_div_ps(a, b); }
 INLINE vec vec_max(vec a, vec b) { return _mm256_max_ps(a, b); }
 INLINE float vec_max_lane(vec a) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -296,6 +298,7 @@ INLINE vec vec_add(vec a, vec b) { return a + b; }
 INLINE float vec_sum(vec a) { return a; }
 INLINE vec vec_set1(float a) { return a; }
 INLINE vec vec_mul(vec a, vec b) { return a * b; }
+INLINE vec vec_div(vec a, vec b) { return a / b; }
 INLINE vec vec_max(vec a, vec b) { return a > b ? a : b; }
 INLINE float vec_max_lane(vec a) { return a; }
 INLINE void vec_store(float *p, vec a) { *p = a; }
@@ -995,8 +998,8 @@ int accessory_dequantize_gguf(const char *fmt, const uint8_t *q, int64_t N, int6
 
 /* ---- attention of one new token per row, over its own cached positions ------------------------------------- */
 
-/* e^x for x <= 0 (softmax's shifted scores), LANES at a time: Cephes' expf (2^n times a degree-6 polynomial of the
-   rest; within 2 ulp of expf), so the loop needs no libm call per score. */
+/* e^x for x <= 88 (softmax's shifted scores, an activation's exponent), LANES at a time: Cephes' expf (2^n times a
+   degree-6 polynomial of the rest; within 2 ulp of expf), so the loop needs no libm call per value. */
 INLINE vec vec_exp(vec x) {
     x = vec_max(x, vec_set1(-87.0f)); /* e^-87 is ~1e-38: below that, a score counts as nothing anyway */
     vec n = vec_round(vec_mul(x, vec_set1(1.44269504088896341f))); /* x log2(e) */
@@ -1120,18 +1123,30 @@ void accessory_rotary(const float *x, int64_t tokens, int64_t heads, int64_t D, 
 }
 
 /* A gated MLP's hidden units, act(gate) * up, for `rows` rows of `width` (gate's row r at gate + r * gate_stride,
-   up's alike): act SiLU (gelu_tanh 0) or GELU's tanh approximation (gelu_tanh 1). */
+   up's alike): act SiLU (gelu_tanh 0) or GELU's tanh approximation (gelu_tanh 1). Both are g * sigmoid(k), k = g
+   for SiLU and 2 sqrt(2 / pi) (g + 0.044715 g^3) for GELU (0.5 (1 + tanh(z)) = sigmoid(2z)): one vector
+   expression, where libm's tanhf per value cost as much as a prompt's attention. */
+INLINE vec gated_values(vec g, vec u, const int gelu_tanh) {
+    vec k = g;
+    if (gelu_tanh) k = vec_mul(vec_set1(1.5957691216f), vec_fma(vec_mul(vec_set1(0.044715f), g), vec_mul(g, g), g));
+    const vec e = vec_exp(vec_mul(vec_max(k, vec_set1(-88.0f)), vec_set1(-1.0f))); /* e^-k, at most e^88: finite */
+    return vec_div(vec_mul(g, u), vec_add(vec_set1(1.0f), e));
+}
+
 void accessory_gated(const float *gate, int64_t gate_stride, const float *up, int64_t up_stride, int64_t rows,
                      int64_t width, int gelu_tanh, float *y) {
-#pragma omp parallel for schedule(static) if (rows * width >= (1 << 18))
+#pragma omp parallel for schedule(static) if (rows * width >= (1 << 16))
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gate + r * gate_stride, *u = up + r * up_stride;
         float *yr = y + r * width;
-        if (gelu_tanh)
-            for (int64_t i = 0; i < width; i++)
-                yr[i] = 0.5f * g[i] * (1.0f + tanhf(0.7978845608f * (g[i] + 0.044715f * g[i] * g[i] * g[i]))) * u[i];
-        else
-            for (int64_t i = 0; i < width; i++) yr[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        int64_t i = 0;
+        for (; i + LANES <= width; i += LANES)
+            vec_store(yr + i, gelu_tanh ? gated_values(vec_load(g + i), vec_load(u + i), 1)
+                                        : gated_values(vec_load(g + i), vec_load(u + i), 0));
+        for (; i < width; i++) { /* the last few */
+            const float k = gelu_tanh ? 1.5957691216f * (g[i] + 0.044715f * g[i] * g[i] * g[i]) : g[i];
+            yr[i] = g[i] * u[i] / (1.0f + expf(-(k > -88.0f ? k : -88.0f)));
+        }
     }
 }
 

@@ -271,8 +271,11 @@ def _fill_from_import(report: Report, imported, tokenizer_folder: Path) -> None:
     from accessory.text.tokenizer import Tokenizer, find_tokenizer
 
     report.llama_type, report.config = imported.llama_type, imported.config
-    report.dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in imported.state_dict.values()})
-    report.parameters = sum(t.numel() for t in imported.state_dict.values())
+    dtypes, report.parameters = set(), 0
+    for tensor in imported.state_dict.values():  # each read once: a GGUF's are dequantized as they are read
+        dtypes.add(str(tensor.dtype).removeprefix("torch."))
+        report.parameters += tensor.numel()
+    report.dtypes = sorted(dtypes)
     tokenizer = find_tokenizer([tokenizer_folder])
     if tokenizer is None:
         report.problems.append(f"{tokenizer_folder}: no tokenizer.model or tokenizer.json")

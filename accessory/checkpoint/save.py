@@ -20,7 +20,7 @@ import socket
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 import torch
 from tqdm import tqdm
@@ -35,7 +35,7 @@ from accessory.parallel.quantized_weight import QuantizedWeight
 log = logging.getLogger(__name__)
 
 
-def save_checkpoint(dst: Path, state_dict: dict[str, torch.Tensor], config: dict, shards: int,
+def save_checkpoint(dst: Path, state_dict: Mapping[str, torch.Tensor], config: dict, shards: int,
                     tokenizer_files: Sequence[Path] = (), llama_type: str = "llama",
                     dtype: Optional[torch.dtype] = None, quantization: Optional[dict[str, str]] = None) -> Path:
     """Save full (unsharded) tensors, keyed by Meta names, as `shards` shard files in a new folder `dst`.
@@ -46,9 +46,11 @@ def save_checkpoint(dst: Path, state_dict: dict[str, torch.Tensor], config: dict
     record = Quantization.describe(quantization) if quantization else None
     meta = {"llama_type": llama_type, **({"quantization": record.to_json()} if record else {})}
     with atomic_folder(dst) as tmp:
-        for rank in tqdm(range(shards), desc=f"writing {dst.name}", leave=False):
+        for rank in range(shards):
             model = meta_model(transformer, args, rank, shards, quantization)
-            write_shard(_cut_shard(model, state_dict, dtype), tmp, "accessory", rank, shards, safetensors=bool(record))
+            label = f"writing {dst.name}: shard {rank + 1} of {shards}"
+            write_shard(_cut_shard(model, state_dict, dtype, label), tmp, "accessory", rank, shards,
+                        safetensors=bool(record))
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(args.to_dict(), indent=2) + "\n")
         for path in tokenizer_files:
@@ -154,7 +156,8 @@ def is_quantized_part(model, name: str) -> bool:
     return bool(owner) and isinstance(model.get_submodule(owner), QuantizedWeight)
 
 
-def _cut_shard(model, state_dict: dict[str, torch.Tensor], dtype) -> dict[str, torch.Tensor]:
+def _cut_shard(model, state_dict: Mapping[str, torch.Tensor], dtype, label: str) -> dict[str, torch.Tensor]:
+    """This shard's tensors, each read from `state_dict` once (LazyTensors make each as it is read)."""
     # A tensor whose checkpoint key is another's (tied output) is not saved: it loads from that tensor.
     params = model.saved_tensors()  # this shard's: another shard's experts are left out
     missing = sorted(params.keys() - state_dict.keys())
@@ -163,7 +166,7 @@ def _cut_shard(model, state_dict: dict[str, torch.Tensor], dtype) -> dict[str, t
         raise CheckpointError(f"state dict to save does not match the model: missing {missing}, "
                               f"unexpected {unexpected}")
     out = {}
-    for name, param in params.items():
+    for name, param in tqdm(params.items(), desc=label, unit="tensor", leave=False):
         tensor, shard = state_dict[name], shard_of(model, name)
         expected = global_shape(param, shard)
         if list(tensor.shape) != expected:
@@ -172,6 +175,15 @@ def _cut_shard(model, state_dict: dict[str, torch.Tensor], dtype) -> dict[str, t
             tensor = tensor.narrow(shard.dim, shard.start, shard.stop - shard.start)
         if dtype is not None and not is_quantized_part(model, name):
             tensor = tensor.to(dtype)
-        # clone: torch.save of a view would write the whole underlying storage
-        out["llma." + name] = tensor.clone().contiguous()
+        out["llma." + name] = _whole(tensor)
     return out
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` (detached) if it is all of its storage, else a copy: torch.save writes a view's whole storage (the
+    full tensor of a shard's slice, or a memory-mapped file). A tensor made for the save (dequantized, cast) is not
+    copied again, so the peak stays at the output plus one tensor."""
+    if tensor.is_contiguous() and tensor.storage_offset() == 0 and \
+            tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+        return tensor.detach()
+    return tensor.clone(memory_format=torch.contiguous_format)

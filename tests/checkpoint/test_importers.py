@@ -104,8 +104,9 @@ def _hf_llama3_factors(head_dim: int, theta: float) -> np.ndarray:
     return (default / scaled.double()).numpy().astype(np.float32)
 
 
-def _write_gguf(path: Path, tensors: dict, arch: str = "llama", rope_freqs=None, f16=()) -> None:
-    """A small GGUF as llama.cpp lays it out: canonical tensors renamed to GGUF names, q/k left in Meta's layout."""
+def _write_gguf(path: Path, tensors: dict, arch: str = "llama", rope_freqs=None, f16=(), i8=()) -> None:
+    """A small GGUF as llama.cpp lays it out: canonical tensors renamed to GGUF names, q/k left in Meta's layout;
+    those named in `f16` / `i8` stored as F16 / I8 (a type gguf cannot dequantize)."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(N_LAYERS)
     w.add_embedding_length(DIM)
@@ -127,7 +128,8 @@ def _write_gguf(path: Path, tensors: dict, arch: str = "llama", rope_freqs=None,
     w.add_eot_token_id(2)
     to_gguf = {ours: theirs for theirs, ours in expand_templates(GGUF_TO_META, N_LAYERS).items()}
     for name, t in tensors.items():
-        w.add_tensor(to_gguf.get(name, name), t.numpy().astype(np.float16 if name in f16 else np.float32))
+        dtype = np.float16 if name in f16 else np.int8 if name in i8 else np.float32
+        w.add_tensor(to_gguf.get(name, name), t.numpy().astype(dtype))
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs)
     w.write_header_to_file()
@@ -187,6 +189,58 @@ def test_gguf_unexpected_tensor(tmp_path):
     _write_gguf(tmp_path / "b.gguf", tensors)
     with pytest.raises(CheckpointError, match=r"b\.gguf: unexpected weight name\(s\) \[blk\.0\.attn_q\.bias\]"):
         read_gguf(tmp_path / "b.gguf", tmp_path / "tok")
+
+
+def test_gguf_type_it_cannot_dequantize_refused_when_read(tmp_path):
+    """The tensors are made later, by the writer; a type gguf cannot read must still fail at the read, before an
+    output folder is begun."""
+    _write_gguf(tmp_path / "i8.gguf", _meta_tensors(tied=True), i8={"layers.1.feed_forward.w2.weight"})
+    with pytest.raises(CheckpointError, match=r"i8\.gguf: tensor blk\.1\.ffn_down\.weight has type I8, which gguf "
+                                              r".*cannot dequantize"):
+        read_gguf(tmp_path / "i8.gguf", tmp_path / "tok")
+
+
+def _counting_dequantize(monkeypatch) -> list:
+    """Patch gguf's dequantize to record how many values each call returns."""
+    values, dequantize = [], gguf.quants.dequantize
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda data, qtype: values.append(
+        (out := dequantize(data, qtype)).size) or out)
+    return values
+
+
+def test_gguf_tensors_dequantized_when_read(tmp_path, monkeypatch):
+    """Issue 39: a float import dequantized every tensor while reading, then the saver copied each again (5.4 GB
+    peak for a 0.5B model). Reading checks one row of each tensor and dequantizes nothing else; each read of a name
+    dequantizes that tensor alone."""
+    tensors = _meta_tensors(tied=True)
+    _write_gguf(tmp_path / "m.gguf", tensors)
+    values = _counting_dequantize(monkeypatch)
+    out = read_gguf(tmp_path / "m.gguf", tmp_path / "tok")
+    assert sum(values) <= sum(t.shape[-1] for t in tensors.values())  # the first rows only
+    values.clear()
+    assert torch.equal(out.state_dict["layers.0.feed_forward.w1.weight"], tensors["layers.0.feed_forward.w1.weight"])
+    assert sum(values) == HIDDEN * DIM
+
+
+def test_convert_gguf_writes_each_tensor_as_made(tmp_path, monkeypatch):
+    """The saver reads each tensor once a shard and writes the very tensor it was given (no copy): the peak of a
+    float import is its output plus the tensor being made. Before issue 39 every tensor was cloned."""
+    import accessory.checkpoint.importers.gguf as gguf_importer
+    import accessory.checkpoint.save as save
+    from accessory.checkpoint.convert import convert
+
+    made, written = [], []
+    dequantized, write_shard = gguf_importer._dequantized, save.write_shard
+    monkeypatch.setattr(gguf_importer, "_dequantized", lambda *a: made.append(dequantized(*a)) or made[-1])
+    monkeypatch.setattr(save, "write_shard", lambda tensors, *a, **k: written.extend(tensors.values()) or
+                        write_shard(tensors, *a, **k))
+    tensors = _meta_tensors(tied=True)
+    _write_gguf(tmp_path / "m.gguf", tensors)
+    convert("gguf", tmp_path / "m.gguf", tmp_path / "out")
+    assert len(made) == len(tensors)
+    assert [t.data_ptr() for t in written] == [t.data_ptr() for t in made]
+    saved = torch.load(tmp_path / "out" / "consolidated.00-of-01.model.pth", weights_only=True, mmap=True)
+    assert all(torch.equal(saved["llma." + name], t) for name, t in tensors.items())
 
 
 # ------------------------------------------------------------------------------------------------------------ HF

@@ -2,8 +2,10 @@
 renaming, and shape checks against the config."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
@@ -12,13 +14,35 @@ from accessory.errors import CheckpointError, ConfigError, listing
 
 @dataclass
 class ImportedModel:
-    state_dict: dict[str, torch.Tensor]  # canonical names, full (unsharded) tensors
+    state_dict: Mapping[str, torch.Tensor]  # canonical names, full (unsharded) tensors; a dict, or LazyTensors
     config: dict  # ModelArgs keys only
     tokenizer_files: list[Path] = field(default_factory=list)  # files to copy beside the weights
     llama_type: str = "llama"
     # weight name -> "int8" / "int4" for weights kept quantized (their parts NAME.q, NAME.scale[, NAME.min] are in
     # state_dict instead of NAME); empty for float weights
     quantization: dict[str, str] = field(default_factory=dict)
+
+
+class LazyTensors(Mapping):
+    """A state dict whose tensors are made when they are read, and not kept: `recipes` maps each name to a function
+    of no arguments that makes its tensor. A writer that reads each name once and lets it go holds one tensor at a
+    time beside what it writes, so an import that computes its tensors (a GGUF dequantized) never holds the model
+    twice. Each read makes the tensor anew."""
+
+    def __init__(self, recipes: dict[str, Callable[[], torch.Tensor]]):
+        self._recipes = recipes
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._recipes[name]()
+
+    def __contains__(self, name) -> bool:  # Mapping's own would make the tensor to answer
+        return name in self._recipes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._recipes)
+
+    def __len__(self) -> int:
+        return len(self._recipes)
 
 
 def expand_templates(table: dict[str, str], n_layers: int, n_experts: int = 0) -> dict[str, str]:

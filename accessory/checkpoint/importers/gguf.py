@@ -16,10 +16,13 @@ are import-only formats that hold the file's blocks byte for byte (4.5 to 6.6 bi
 1-D tensors) are dequantized.
 
 For architecture "llama" (Mistral's files say so too), llama.cpp's converter permutes HF's q/k back to Meta's
-interleaved RoPE layout before writing, so attn_q / attn_k are taken as they are
-(tests/checkpoint/test_importers.py pins this against transformers' GGUF loader, which applies the HF permutation on top of the stored tensors). qwen2, qwen3 and
-gemma3 run on llama.cpp's NEOX RoPE: their q/k stay in HF's rotate-half layout and are permuted here, as from HF;
-gemma3's norm weights were stored as 1 + w (families.py says what each architecture needs).
+interleaved RoPE layout before writing, so attn_q / attn_k are taken as they are (tests/checkpoint/test_importers.py
+pins this against transformers' GGUF loader, which applies the HF permutation on top of the stored tensors). qwen2,
+qwen3 and gemma3 run on llama.cpp's NEOX RoPE: their q/k stay in HF's rotate-half layout and are permuted here, as
+from HF; gemma3's norm weights were stored as 1 + w (families.py says what each architecture needs).
+
+Nothing is dequantized while reading: the weights are LazyTensors over the memory-mapped file, each tensor made
+when the writer reads it, a few rows at a time, so `convert gguf` peaks at its output plus one tensor.
 
 A mixture's experts are stacked by llama.cpp into one tensor per projection and layer (`ffn_gate_exps` (E, out,
 in)); they are split into one matrix per expert (a quantized stack into each expert's blocks, kept as they are).
@@ -27,23 +30,24 @@ in)); they are split into one matrix per expert (a quantized stack into each exp
 from __future__ import annotations
 
 import json
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import gguf
 import numpy as np
 import torch
-from tqdm import tqdm
 
-from accessory.checkpoint.importers.common import (ImportedModel, check_shapes, expand_templates, rename_strict,
-                                            validated_args)
+from accessory.checkpoint.importers.common import (ImportedModel, LazyTensors, check_shapes, expand_templates,
+                                                   rename_strict, validated_args)
 from accessory.checkpoint.importers.families import gguf_family, with_family_names, without_dense_mlp
 from accessory.checkpoint.importers.hf import hf_to_meta_qk, rotate_half_to_interleaved
 from accessory.errors import CheckpointError, ConfigError
 from accessory.network.components import LLAMA3_ROPE_DEFAULTS, base_frequencies, llama3_scaled
-from accessory.quant.formats import GGUF_BLOCKS
+from accessory.quant.formats import GGUF_BLOCKS, PARTS
 
 # GGUF name -> canonical name; `{i}` is the layer index.
 GGUF_TO_META = {
@@ -74,48 +78,76 @@ def read_gguf(path, workdir, keep_quantized: bool = False) -> ImportedModel:
     the config from its `ARCH.*` metadata, and the tokenizer rebuilt by transformers from the file's metadata and
     saved into `workdir` (tokenizer.json, tokenizer_config.json, chat_template.jinja when the file has one, and a
     generation_config.json holding the bos / eos / pad token ids). `keep_quantized`: matrices of the types in
-    KEPT_TYPES stay quantized (their parts under `NAME.q`, ...; the formats in `ImportedModel.quantization`)."""
+    KEPT_TYPES stay quantized (their parts under `NAME.q`, ...; the formats in `ImportedModel.quantization`).
+
+    The weights are LazyTensors over the memory-mapped file: names, shapes and types are checked here, and each
+    tensor is dequantized (or its blocks copied) when it is read, so a writer holds one at a time beside its
+    output."""
     path, workdir = Path(path), Path(workdir)
     reader = _open(path)
     architecture = _field(reader, "general.architecture", str(path), None)
     family = gguf_family(architecture, _field(reader, f"{architecture}.expert_count", str(path), 0), str(path))
     config = config_from_gguf(reader, str(path), family)
-    weights = _read_all(reader, path, keep_quantized)
+    weights = _pending_tensors(reader, path, keep_quantized)
     rope_freqs = weights.pop(ROPE_FREQS, None)
     if rope_freqs is not None:
         if config["rope_scaling"] is not None:
             raise ConfigError(f"{path}: has both {ROPE_FREQS} and rope.scaling metadata; expected one")
-        config["rope_scaling"] = llama3_scaling_from_freqs(rope_freqs.numpy(), config, str(path))
+        config["rope_scaling"] = llama3_scaling_from_freqs(rope_freqs.make().numpy(), config, str(path))
     config["tie_word_embeddings"] = "output.weight" not in weights
     args = validated_args(config, source=str(path), llama_type=family.llama_type)
     base = without_dense_mlp(GGUF_TO_META) if family.is_moe else GGUF_TO_META
     names = expand_templates(with_family_names(base, family.gguf_names), args.n_layers,
                              args.experts.num_experts if args.experts else 0)
     renamed = rename_strict(weights, names, str(path), optional=frozenset({"output.weight"}))
-    quantization = {name: value.fmt for name, value in renamed.items() if isinstance(value, Kept)}
-    check_shapes({name: value.shape if isinstance(value, Kept) else tuple(value.shape)
-                  for name, value in renamed.items()}, args, str(path), family.llama_type)
+    check_shapes({name: value.shape for name, value in renamed.items()}, args, str(path), family.llama_type)
     _undo_converter(renamed, args, family)
-    state_dict = {}
-    for name, value in renamed.items():
-        if isinstance(value, Kept):
-            state_dict.update((f"{name}.{part}", tensor) for part, tensor in value.parts.items())
-        else:
-            state_dict[name] = value
     tokenizer_files = _save_tokenizer(reader, path, workdir)
-    return ImportedModel(state_dict=state_dict, config=config, tokenizer_files=tokenizer_files,
-                         llama_type=family.llama_type, quantization=quantization)
+    return ImportedModel(state_dict=_state_dict(renamed), config=config, tokenizer_files=tokenizer_files,
+                         llama_type=family.llama_type,
+                         quantization={name: value.fmt for name, value in renamed.items() if value.fmt})
 
 
-def _undo_converter(weights: dict, args, family) -> None:
-    """Undo what llama.cpp's converter did to this architecture's tensors: q/k kept in HF's rotate-half layout
-    (permuted to Meta's, as from HF; a kept matrix's rows are permuted in every part), and norm weights shifted
-    (Gemma's stored as 1 + w)."""
+@dataclass(frozen=True)
+class Pending:
+    """A GGUF tensor not read yet: `make()` gives it as float32 (dequantized) or, with `fmt` (our format), as a Kept
+    matrix. Its float `shape` is known from the file's header alone."""
+    make: Callable[[], Any]
+    shape: tuple
+    fmt: Optional[str] = None
+
+    def then(self, step: Callable[[Any], Any]) -> "Pending":
+        """This tensor with `step` applied to it once it is made."""
+        make = self.make
+        return replace(self, make=lambda: step(make()))
+
+
+def _state_dict(weights: dict[str, Pending]) -> LazyTensors:
+    """Canonical name -> its tensor, made on each read; a Kept matrix's parts under NAME.q, NAME.scale, ... (each
+    part read alone makes the matrix's parts and keeps that one: they are its bytes, copied)."""
+    recipes = {}
+    for name, value in weights.items():
+        if value.fmt is None:
+            recipes[name] = value.make
+        else:
+            recipes.update((f"{name}.{part}", partial(_kept_part, value.make, part)) for part in PARTS[value.fmt])
+    return LazyTensors(recipes)
+
+
+def _kept_part(make: Callable[[], "Kept"], part: str) -> torch.Tensor:
+    return make().parts[part]
+
+
+def _undo_converter(weights: dict[str, Pending], args, family) -> None:
+    """Undo what llama.cpp's converter did to this architecture's tensors, when each is made: q/k kept in HF's
+    rotate-half layout (permuted to Meta's, as from HF; a kept matrix's rows are permuted in every part), and norm
+    weights shifted (Gemma's stored as 1 + w)."""
     if family.gguf_rotate_half:
-        rotate_half_to_interleaved(weights, args, _permuted_qk)
+        rotate_half_to_interleaved(weights, args, lambda value, heads: value.then(partial(_permuted_qk, heads=heads)))
     if family.gguf_norm_shift:
+        shift = family.gguf_norm_shift
         for name in [n for n in weights if n.endswith("norm.weight")]:
-            weights[name] = weights[name] - family.gguf_norm_shift
+            weights[name] = weights[name].then(lambda w: w - shift)
 
 
 def _permuted_qk(value, heads: int):
@@ -242,34 +274,52 @@ def kept_parts(data: np.ndarray, type_name: str) -> dict[str, torch.Tensor]:
     return {"q": torch.from_numpy(q.copy().reshape(data.shape[0], -1)), "scale": scale, "min": minimum}
 
 
-def _read_all(reader: gguf.GGUFReader, path: Path, keep_quantized: bool) -> dict:
-    """GGUF name -> a float32 tensor (dequantized), or a Kept matrix; stacked experts split into one per expert."""
+def _pending_tensors(reader: gguf.GGUFReader, path: Path, keep_quantized: bool) -> dict[str, Pending]:
+    """GGUF name -> its tensor, Pending (nothing is read yet); stacked experts split into one per expert."""
     weights = {}
-    for t in tqdm(reader.tensors, desc=f"reading {path.name}", unit="tensor"):
+    for t in reader.tensors:
         shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dimensions fastest-first
         stacked = STACKED_EXPERTS.fullmatch(t.name)
         if stacked and len(shape) == 3:
             data = np.asarray(t.data).reshape(shape[0], shape[1], -1)  # (experts, rows, row values or bytes)
             for e in range(shape[0]):
                 name = f"blk.{stacked.group(1)}.ffn_{stacked.group(2)}.{e}.weight"
-                weights[name] = _matrix(data[e], t.tensor_type.name, shape[1:], name, path, keep_quantized)
+                weights[name] = _pending(data[e], t.tensor_type.name, shape[1:], name, path, keep_quantized)
         else:
-            weights[t.name] = _matrix(t.data, t.tensor_type.name, shape, t.name, path, keep_quantized)
+            weights[t.name] = _pending(t.data, t.tensor_type.name, shape, t.name, path, keep_quantized)
     return weights
 
 
-def _matrix(data: np.ndarray, type_name: str, shape: tuple, name: str, path: Path, keep_quantized: bool):
-    """One tensor's values as float32 (dequantized), or its blocks Kept (a quantized matrix, `keep_quantized`)."""
+def _pending(data: np.ndarray, type_name: str, shape: tuple, name: str, path: Path, keep_quantized: bool) -> Pending:
+    """One tensor, to be made as its blocks Kept (a quantized matrix, `keep_quantized`) or as float32."""
     if keep_quantized and type_name in KEPT_TYPES and len(shape) == 2:
-        return Kept(KEPT_TYPES[type_name][0], kept_parts(data, type_name), shape)
+        fmt = KEPT_TYPES[type_name][0]
+        return Pending(lambda: Kept(fmt, kept_parts(data, type_name), shape), shape, fmt)
+    rows = data.reshape(-1, data.shape[-1])  # (rows, bytes or values a row); a 1-D tensor is one row
+    _dequantize(rows[:1], type_name, name, path)  # a type gguf cannot read fails now, before anything is written
+    return Pending(partial(_dequantized, rows, type_name, shape, name, path), shape)
+
+
+# Values dequantized at a time: gguf's numpy dequantization makes temporaries bigger than what it returns (a Q5_0
+# embedding of 151936 x 896, 519 MiB as float32, peaks 600 MiB above that when dequantized at once).
+DEQUANTIZE_VALUES = 1 << 22
+
+
+def _dequantized(rows: np.ndarray, type_name: str, shape: tuple, name: str, path: Path) -> torch.Tensor:
+    """A tensor's `rows` (its raw blocks or values) as float32 of `shape`, dequantized a few rows at a time."""
+    out = np.empty((rows.shape[0], math.prod(shape) // rows.shape[0]), np.float32)
+    step = max(1, DEQUANTIZE_VALUES // out.shape[1])
+    for start in range(0, rows.shape[0], step):
+        out[start:start + step] = _dequantize(rows[start:start + step], type_name, name, path)
+    return torch.from_numpy(out.reshape(shape))
+
+
+def _dequantize(data: np.ndarray, type_name: str, name: str, path: Path) -> np.ndarray:
     try:
-        values = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name])  # float32, (out, in)
+        return gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name])  # float32, (rows, values)
     except NotImplementedError as e:
         raise CheckpointError(f"{path}: tensor {name} has type {type_name}, which gguf "
                               f"{getattr(gguf, '__version__', '')} cannot dequantize: {e}") from e
-    if not values.flags.writeable:  # F32 tensors come back as a view of the read-only memory map
-        values = values.copy()
-    return torch.from_numpy(values.reshape(shape))
 
 
 def _save_tokenizer(reader: gguf.GGUFReader, path: Path, workdir: Path) -> list[Path]:

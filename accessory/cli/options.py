@@ -101,6 +101,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="rows decoded together; more requests wait for a free row. auto: as many as the KV "
                         "cache at --max_seq_len fits in the memory each rank has once loaded, less a margin "
                         "(the arithmetic is logged)")
+    engine.add_argument("--exact-products", dest="exact_products", action="store_true",
+                        help="multiply a GGUF's Q4_K / Q5_K / Q6_K / Q5_0 weights in float32 at every prompt length, "
+                        "as transformers does (by default a prompt's products quantize x to int8, as llama.cpp does: "
+                        "about 2.5x faster prompts, whose greedy tokens may part from transformers' at a near tie)")
     engine.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile "
                         "(CUDA graphs on CUDA): tens of seconds once, faster steps after")
     engine.add_argument("--speculative-config", type=speculative_config, metavar="JSON",

@@ -40,6 +40,7 @@ ONE_ROW_CHOICE = "one_row_float32.json"  # beside the library: whether one float
 _library: Optional[Path] = None
 _tried = False
 _one_row_kernel = False
+_int8x = False
 
 
 def cpu_kernels() -> bool:
@@ -55,6 +56,8 @@ def cpu_kernels() -> bool:
                 lambda x, fmt, q, scale, minimum: x.new_empty(x.shape[0], q.shape[0]))
             torch.library.register_fake("accessory::dequantize_gguf_cpu")(
                 lambda q, fmt, features: q.new_empty(q.shape[0], features, dtype=torch.float32))
+            torch.library.register_fake("accessory::gguf_int8x_linear_cpu")(
+                lambda x, fmt, q: x.new_empty(x.shape[0], q.shape[0]))
             torch.library.register_fake("accessory::int4_int8x_linear_cpu")(
                 lambda x, q, scale, minimum, outputs: x.new_empty(x.shape[0], outputs))
             torch.library.register_fake("accessory::linear_cpu")(lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
@@ -65,8 +68,9 @@ def cpu_kernels() -> bool:
             torch.library.register_fake("accessory::shm_all_gather")(
                 lambda x, group, world, timeout_s: x.new_empty(world, *x.shape))
             _library = path
-            global _one_row_kernel
+            global _one_row_kernel, _int8x
             _one_row_kernel = _one_row_choice(path.parent)
+            _int8x = bool(ctypes.CDLL(str(path)).accessory_int8x())
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             log.warning("quantized CPU kernels unavailable (%s); using dequantize + matmul, which is slower", e)
     return _library is not None
@@ -128,9 +132,10 @@ def library_path() -> Optional[Path]:
     return _library if cpu_kernels() else None
 
 
-def int4_int8x() -> bool:
-    """Whether the kernels have the int4 product with x in int8 (built for AVX-512 with VNNI, or AVX2): a draft's."""
-    return cpu_kernels() and bool(ctypes.CDLL(str(_library)).accessory_int4_int8x())
+def int8x_kernels() -> bool:
+    """Whether the kernels have the products with x quantized to int8 (built for AVX-512 or AVX2): a draft's int4
+    products and a prompt's GGUF block formats. A plain global once loaded, which torch.compile reads."""
+    return _int8x if loaded() else cpu_kernels() and _int8x
 
 
 def kernel_isa() -> str:

@@ -773,22 +773,27 @@ static void one_row_int4(const float *x, int64_t K, const uint8_t *q, const uint
    minimums (tiles, groups, 16) fp16. Rows past N are zeros. */
 #if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) || \
     (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
-#define INT4_INT8X 1
+#define INT8X 1
 
 /* A row of x as int8 per group of 32: xq = x * (127 / max |x|) rounded to nearest even (as torch.round), the
-   group's scale xs = max |x| / 127 and its float sum. */
+   group's scale xs = max |x| / 127, and the float sums of its two halves of 16 (xsum, K / 16 of them). */
 static void quantize_x(const float *x, int64_t K, int8_t *xq, float *xs, float *xsum) {
     for (int64_t g = 0; g < K / 32; g++) {
         const float *xg = x + 32 * g;
-        float most = 0, sum = 0;
-        for (int k = 0; k < 32; k++) {
-            most = fmaxf(most, fabsf(xg[k]));
-            sum += xg[k];
+        vec most = vec_zero(), halves[2] = {vec_zero(), vec_zero()};
+        for (int v = 0; v < VECTORS; v++) {
+            const vec value = vec_load(xg + v * LANES);
+            most = vec_max(most, vec_max(value, vec_mul(value, vec_set1(-1.0f))));
+            halves[v * LANES / 16] = vec_add(halves[v * LANES / 16], value);
         }
-        const float inverse = most > 0 ? 127.0f / most : 0.0f;
-        for (int k = 0; k < 32; k++) xq[32 * g + k] = (int8_t)nearbyintf(xg[k] * inverse);
-        xs[g] = most / 127.0f;
-        xsum[g] = sum;
+        const float top = vec_max_lane(most), inverse = top > 0 ? 127.0f / top : 0.0f;
+        float rounded[32];
+        for (int v = 0; v < VECTORS; v++)
+            vec_store(rounded + v * LANES, vec_round(vec_mul(vec_load(xg + v * LANES), vec_set1(inverse))));
+        for (int k = 0; k < 32; k++) xq[32 * g + k] = (int8_t)rounded[k];
+        xs[g] = top / 127.0f;
+        xsum[2 * g] = vec_sum(halves[0]);
+        xsum[2 * g + 1] = vec_sum(halves[1]);
     }
 }
 
@@ -820,7 +825,7 @@ INLINE void int8x_tile(const int8_t *xq, const float *xs, const float *xsum, int
         const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + 16 * g)));
         const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(low, high));
         acc = _mm512_fmadd_ps(dots, _mm512_mul_ps(s, _mm512_set1_ps(xs[g])), acc);
-        acc_min = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[g]), acc_min);
+        acc_min = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[2 * g] + xsum[2 * g + 1]), acc_min);
     }
     _mm512_storeu_ps(out, _mm512_add_ps(acc, acc_min));
 }
@@ -847,7 +852,7 @@ INLINE void int8x_tile(const int8_t *xq, const float *xs, const float *xsum, int
         const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + 16 * g + 8 * part)));
         const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
         acc = _mm256_fmadd_ps(dots, _mm256_mul_ps(s, _mm256_set1_ps(xs[g])), acc);
-        acc_min = _mm256_fmadd_ps(mn, _mm256_set1_ps(xsum[g]), acc_min);
+        acc_min = _mm256_fmadd_ps(mn, _mm256_set1_ps(xsum[2 * g] + xsum[2 * g + 1]), acc_min);
     }
     _mm256_storeu_ps(out, _mm256_add_ps(acc, acc_min));
 }
@@ -858,20 +863,20 @@ int accessory_linear_int4_int8x(const float *x, int64_t M, int64_t K, const uint
                                 const uint16_t *mins, int64_t N, float *y) {
     const int64_t groups = K / 32, units = (N + 15) / 16 * TILE_PARTS, rows = 16 / TILE_PARTS;
     int8_t *xq = malloc(M * K);
-    float *xs = malloc(2 * M * groups * sizeof(float)), *xsum = xs + M * groups;
+    float *xs = malloc(3 * M * groups * sizeof(float)), *xsum = xs + M * groups;
     if (!xq || !xs) {
         free(xq);
         free(xs);
         return -1;
     }
-    for (int64_t m = 0; m < M; m++) quantize_x(x + m * K, K, xq + m * K, xs + m * groups, xsum + m * groups);
+    for (int64_t m = 0; m < M; m++) quantize_x(x + m * K, K, xq + m * K, xs + m * groups, xsum + 2 * m * groups);
 #pragma omp parallel for schedule(static)
     for (int64_t unit = 0; unit < units; unit++) {
         const int64_t t = unit / TILE_PARTS, n = unit * rows, kept = N - n < rows ? N - n : rows;
         if (kept <= 0) continue; /* a padding half */
         for (int64_t m = 0; m < M; m++) {
             float out[16];
-            int8x_tile(xq + m * K, xs + m * groups, xsum + m * groups, groups, q + 256 * groups * t,
+            int8x_tile(xq + m * K, xs + m * groups, xsum + 2 * m * groups, groups, q + 256 * groups * t,
                        scale + 16 * groups * t, mins + 16 * groups * t, (int)(unit % TILE_PARTS), out);
             memcpy(y + m * N + n, out, kept * sizeof(float));
         }
@@ -880,11 +885,224 @@ int accessory_linear_int4_int8x(const float *x, int64_t M, int64_t K, const uint
     free(xs);
     return 0;
 }
+/* ---- a prompt's products: x in int8, W's tiles unpacked to integer codes ------------------------------------
+
+   With many rows of x, dequantizing W to floats and multiplying in float32 is bound by the float FMAs (a GEMM
+   library's, at best). llama.cpp multiplies in integers instead, and so does this: x quantized to int8 as above,
+   each tile of W unpacked once to its integer codes (exact: W = s * code + mn, with s and mn a group's float scale
+   and minimum as block_scales makes them; codes 0..63), then per group y += s * xs * sum(code * xq) + mn * sum(x),
+   the sums of products in integers, 4 a lane an instruction (VNNI), each code reused by every row of x. Only x's
+   rounding to int8 differs from the exact product (at most half of max |x| / 127 per value of a group). */
+
+#if LANES == 16
+typedef __m512i ivec;
+INLINE ivec ivec_zero(void) { return _mm512_setzero_si512(); }
+INLINE ivec ivec_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+INLINE ivec ivec_set1(int32_t a) { return _mm512_set1_epi32(a); }
+INLINE vec ivec_to_vec(ivec a) { return _mm512_cvtepi32_ps(a); }
+/* acc + each lane's 4 products of unsigned bytes u and signed bytes s (no saturation: codes are at most 63). */
+INLINE ivec ivec_dot4(ivec acc, ivec u, ivec s) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, u, s);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+#define INT8X_ROWS 4 /* rows of x at once: with 2 tiles, 8 integer and 8 float accumulators of 32 registers */
+#else
+typedef __m256i ivec;
+INLINE ivec ivec_zero(void) { return _mm256_setzero_si256(); }
+INLINE ivec ivec_load(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+INLINE ivec ivec_set1(int32_t a) { return _mm256_set1_epi32(a); }
+INLINE vec ivec_to_vec(ivec a) { return _mm256_cvtepi32_ps(a); }
+INLINE ivec ivec_dot4(ivec acc, ivec u, ivec s) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+#define INT8X_ROWS 2 /* AVX2's 16 registers */
+#endif
+#define INT8X_TILES 2 /* tiles of W (LANES rows each) at once: each x broadcast feeds two products */
+#define SUB(fmt) ((fmt) == Q6_K ? 16 : 32) /* values that share a scale */
+
+/* A row of W's integer codes (K bytes), as group_weights reads them. */
+INLINE void row_codes(const int fmt, const uint8_t *row, int64_t K, uint8_t *codes) {
+    for (int64_t b = 0; b < K / BLOCK_VALUES(fmt); b++) {
+        const uint8_t *block = row + b * BLOCK_BYTES(fmt);
+        uint8_t *out = codes + b * BLOCK_VALUES(fmt);
+        if (fmt == Q5_0) {
+            uint32_t bits;
+            memcpy(&bits, block + 2, sizeof bits);
+#if defined(__AVX512BW__) && defined(__AVX512VL__) /* the 5th bits as byte masks: 16 added where set */
+            const __m128i qs = _mm_loadu_si128((const __m128i *)(block + 6)), low4 = _mm_set1_epi8(15);
+            const __m128i low = _mm_and_si128(qs, low4), high = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);
+            _mm_storeu_si128((__m128i *)out, _mm_mask_add_epi8(low, (__mmask16)bits, low, _mm_set1_epi8(16)));
+            _mm_storeu_si128((__m128i *)(out + 16),
+                             _mm_mask_add_epi8(high, (__mmask16)(bits >> 16), high, _mm_set1_epi8(16)));
+            continue;
+#endif
+            for (int j = 0; j < 16; j++) {
+                out[j] = (block[6 + j] & 15) | (((bits >> j) & 1) << 4);
+                out[j + 16] = (block[6 + j] >> 4) | (((bits >> (j + 16)) & 1) << 4);
+            }
+            continue;
+        }
+        for (int i = 0; i < 8; i++) /* group i of the block's 8 */
+            for (int j = 0; j < 32; j++) {
+                const int shift = (i % 2) * 4;
+                if (fmt == Q4_K) out[32 * i + j] = (block[16 + (i / 2) * 32 + j] >> shift) & 15;
+                if (fmt == Q5_K)
+                    out[32 * i + j] = ((block[48 + (i / 2) * 32 + j] >> shift) & 15) | (((block[16 + j] >> i) & 1) << 4);
+                if (fmt == Q6_K)
+                    out[32 * i + j] = ((block[(i / 4) * 64 + (i % 2) * 32 + j] >> ((i / 2 % 2) * 4)) & 15) |
+                                      (((block[128 + (i / 4) * 32 + j] >> ((i % 4) * 2)) & 3) << 4);
+            }
+    }
+}
+
+/* Rows n.. of W, INT8X_TILES tiles of LANES (zeros past N), as the products read them: tile t's codes at
+   codes + t K LANES, value k of its row r at byte (k / 4) 4 LANES + 4 r + k % 4 (a vector holds 4 values of each
+   row); its scales and minimums, (K / SUB, LANES), at s and mn + t (K / SUB) LANES. `row` holds K codes and
+   `rs`, `rmn` K / 16 floats, as scratch. */
+INLINE void unpack_tiles(const int fmt, const uint8_t *q, int64_t N, int64_t K, int64_t n, uint8_t *row, float *rs,
+                         float *rmn, uint8_t *codes, float *s, float *mn) {
+    const int64_t subs = K / SUB(fmt), row_bytes = row_bytes_of(fmt, K);
+    for (int64_t l = 0; l < INT8X_TILES * LANES; l++) {
+        const int64_t t = l / LANES, r = l % LANES;
+        if (n + l < N) {
+            row_codes(fmt, q + (n + l) * row_bytes, K, row);
+            block_scales(fmt, q + (n + l) * row_bytes, K, rs, rmn);
+        } else {
+            memset(row, 0, K);
+            memset(rs, 0, subs * sizeof(float));
+            memset(rmn, 0, subs * sizeof(float));
+        }
+        for (int64_t k = 0; k < K; k += 4) memcpy(codes + t * K * LANES + k * LANES + 4 * r, row + k, 4);
+        for (int64_t j = 0; j < subs; j++) {
+            s[(t * subs + j) * LANES + r] = rs[j];
+            mn[(t * subs + j) * LANES + r] = rmn[j];
+        }
+    }
+}
+
+/* y[r, 0..kept) for `rows` rows of quantized x (xq, xs, xsum as quantize_x makes them) against unpacked tiles. */
+INLINE void int8x_rows(const int8_t *xq, const float *xs, const float *xsum, int64_t K, const uint8_t *codes,
+                       const float *s, const float *mn, float *y, int64_t N, int64_t kept, const int rows,
+                       const int sub) {
+    const int64_t subs = K / sub;
+    vec acc[INT8X_TILES][INT8X_ROWS];
+    for (int t = 0; t < INT8X_TILES; t++)
+        for (int r = 0; r < rows; r++) acc[t][r] = vec_zero();
+    for (int64_t j = 0; j < subs; j++) {
+        ivec dots[INT8X_TILES][INT8X_ROWS];
+        for (int t = 0; t < INT8X_TILES; t++)
+            for (int r = 0; r < rows; r++) dots[t][r] = ivec_zero();
+        for (int i = 0; i < sub / 4; i++) {
+            const int64_t k = j * sub + 4 * i;
+            ivec w[INT8X_TILES];
+            for (int t = 0; t < INT8X_TILES; t++) w[t] = ivec_load(codes + t * K * LANES + k * LANES);
+            for (int r = 0; r < rows; r++) {
+                const ivec xb = ivec_set1(four_bytes(xq + r * K + k));
+                for (int t = 0; t < INT8X_TILES; t++) dots[t][r] = ivec_dot4(dots[t][r], w[t], xb);
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            const float *sums = xsum + r * (K / 16);
+            const vec dx = vec_set1(xs[r * (K / 32) + j * sub / 32]);
+            const vec sx = vec_set1(sub == 32 ? sums[2 * j] + sums[2 * j + 1] : sums[j]);
+            for (int t = 0; t < INT8X_TILES; t++) {
+                const vec scaled = vec_mul(vec_load(s + (t * subs + j) * LANES), dx);
+                acc[t][r] = vec_fma(ivec_to_vec(dots[t][r]), scaled, acc[t][r]);
+                acc[t][r] = vec_fma(vec_load(mn + (t * subs + j) * LANES), sx, acc[t][r]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < INT8X_TILES; t++) {
+            const int64_t valid = kept - t * LANES;
+            if (valid >= LANES) {
+                vec_store(y + r * N + t * LANES, acc[t][r]);
+            } else if (valid > 0) {
+                float last[LANES];
+                vec_store(last, acc[t][r]);
+                for (int64_t l = 0; l < valid; l++) y[r * N + t * LANES + l] = last[l];
+            }
+        }
+}
+
+/* One unit of work: INT8X_TILES tiles of W from row n, unpacked into `scratch`, against every row of x. */
+INLINE void int8x_unit(const int fmt, const int8_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
+                       const uint8_t *q, int64_t N, int64_t n, uint8_t *scratch, float *y) {
+    const int64_t tile_bytes = INT8X_TILES * LANES * K, scales = INT8X_TILES * LANES * (K / 16);
+    float *s = (float *)(scratch + tile_bytes), *mn = s + scales, *rs = mn + scales, *rmn = rs + K / 16;
+    uint8_t *row = (uint8_t *)(rmn + K / 16);
+    unpack_tiles(fmt, q, N, K, n, row, rs, rmn, scratch, s, mn);
+    const int64_t kept = N - n < INT8X_TILES * LANES ? N - n : INT8X_TILES * LANES;
+    const int64_t groups = K / 32, sums = K / 16;
+    int64_t m = 0;
+    for (; m + INT8X_ROWS <= M; m += INT8X_ROWS)
+        int8x_rows(xq + m * K, xs + m * groups, xsum + m * sums, K, scratch, s, mn, y + m * N + n, N, kept,
+                   INT8X_ROWS, SUB(fmt));
+    for (; m < M; m++)
+        int8x_rows(xq + m * K, xs + m * groups, xsum + m * sums, K, scratch, s, mn, y + m * N + n, N, kept, 1,
+                   SUB(fmt));
+}
+
+/* The scratch of one thread: its tiles' codes, scales and minimums, and one row's. */
+#define INT8X_SCRATCH(K) (INT8X_TILES * LANES * (K) + (2 * INT8X_TILES * LANES + 2) * ((K) / 16) * sizeof(float) + (K))
+
+/* y (M, N) = x (M, K) @ W^T, W in a GGUF block format. One function per format, as DEFINE_LINEAR's. */
+#define DEFINE_INT8X(NAME, FMT)                                                                                      \
+    static int NAME(const int8_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K, const uint8_t *q,   \
+                    int64_t N, float *y) {                                                                           \
+        const int64_t units = (N + INT8X_TILES * LANES - 1) / (INT8X_TILES * LANES);                                 \
+        int failed = 0;                                                                                              \
+        _Pragma("omp parallel") {                                                                                    \
+            uint8_t *scratch = malloc(INT8X_SCRATCH(K));                                                             \
+            if (!scratch) failed = 1;                                                                                \
+            _Pragma("omp for schedule(static)") for (int64_t u = 0; u < units; u++) if (scratch)                     \
+                int8x_unit(FMT, xq, xs, xsum, M, K, q, N, u * INT8X_TILES * LANES, scratch, y);                      \
+            free(scratch);                                                                                           \
+        }                                                                                                            \
+        return failed ? -1 : 0;                                                                                      \
+    }
+
+DEFINE_INT8X(int8x_q4_k, Q4_K)
+DEFINE_INT8X(int8x_q5_k, Q5_K)
+DEFINE_INT8X(int8x_q6_k, Q6_K)
+DEFINE_INT8X(int8x_q5_0, Q5_0)
+
+/* y (M, N) = x (M, K) @ W^T with x in int8 (above), W in the GGUF block format `fmt` (as accessory_linear_gguf).
+   Returns 0, -1 for a name it does not know, or -2 without memory. */
+int accessory_linear_gguf_int8x(const char *fmt, const float *x, int64_t M, int64_t K, const uint8_t *q, int64_t N,
+                                float *y) {
+    const int64_t groups = K / 32;
+    int8_t *xq = malloc(M * K);
+    float *xs = malloc(3 * M * groups * sizeof(float)), *xsum = xs + M * groups;
+    int failed = !xq || !xs ? -2 : 0;
+#pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
+    for (int64_t m = 0; m < M; m++)
+        if (!failed) quantize_x(x + m * K, K, xq + m * K, xs + m * groups, xsum + 2 * m * groups);
+    if (!failed) {
+        if (!strcmp(fmt, "q4_k")) failed = int8x_q4_k(xq, xs, xsum, M, K, q, N, y) ? -2 : 0;
+        else if (!strcmp(fmt, "q5_k")) failed = int8x_q5_k(xq, xs, xsum, M, K, q, N, y) ? -2 : 0;
+        else if (!strcmp(fmt, "q6_k")) failed = int8x_q6_k(xq, xs, xsum, M, K, q, N, y) ? -2 : 0;
+        else if (!strcmp(fmt, "q5_0")) failed = int8x_q5_0(xq, xs, xsum, M, K, q, N, y) ? -2 : 0;
+        else failed = -1;
+    }
+    free(xq);
+    free(xs);
+    return failed;
+}
+
 #endif
 
-/* Whether accessory_linear_int4_int8x is built (AVX-512 with VNNI, or AVX2). */
-int accessory_int4_int8x(void) {
-#ifdef INT4_INT8X
+/* Whether the products with x in int8 (accessory_linear_int4_int8x, accessory_linear_gguf_int8x) are built
+   (AVX-512 with VNNI, or AVX2). */
+int accessory_int8x(void) {
+#ifdef INT8X
     return 1;
 #else
     return 0;

@@ -7,7 +7,9 @@ torch path that computes the same values by other arithmetic.
 - `quantized_linear`: x @ W^T for a quantized W. The kernels take up to KERNEL_MAX_ROWS rows of float32 x on the
   CPU (BLOCK_KERNEL_MAX_ROWS for GGUF's block formats), and up to MAX_ROWS rows of bfloat16 / float16 x on CUDA
   (Triton kernels, cuda.py; int8 / int4); more rows (prefill), float32 on CUDA, GGUF's block formats on CUDA, or no
-  kernels: W is dequantized in row chunks for F.linear (a GGUF block format's by a kernel on the CPU).
+  kernels: W is dequantized in row chunks for F.linear (a GGUF block format's by a kernel on the CPU). A GGUF block
+  format's prompt (GGUF_INT8X_ROWS rows and more) quantizes x to int8 and multiplies in integers instead, as
+  llama.cpp does, unless `exact_products(True)`.
 - `quantized_linear` with `int8x` parts (a draft model's int4 weights repacked by `pack_int4_int8x`): up to
   INT8X_MAX_ROWS rows take the kernel that quantizes x to int8 and multiplies in integers (AVX-512 VNNI or AVX2), as
   llama.cpp does Q4_1. Close to the exact product, not equal: a draft's proposals are verified, so its numerics
@@ -38,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from accessory.kernels.cuda import takes as cuda_takes
-from accessory.kernels.build import cpu_kernels, loaded, one_row_float_kernel
+from accessory.kernels.build import cpu_kernels, int8x_kernels, loaded, one_row_float_kernel
 from accessory.quant.formats import GGUF_BLOCKS, PARTS, QUANTIZERS, dequantize, unpack_int4
 
 # Rows of x above which the library's GEMM beats the kernels: with W float32, and with W quantized (dequantized in
@@ -50,6 +52,10 @@ KERNEL_MAX_ROWS = 32
 # 200, Q5_0's near 500; benchmarks/README.md). Past them W is now dequantized by a kernel (dequantize_gguf_cpu),
 # which moves the crossing lower: to be measured again (issue 39).
 BLOCK_KERNEL_MAX_ROWS = 128
+# From these rows of x on, a GGUF block format's product quantizes x to int8 and multiplies in integers, as llama.cpp
+# does (gguf_int8x_linear_cpu, where the kernels have it: AVX-512 or AVX2): faster than the exact kernels from about
+# here (benchmarks/kernels.py --model gemma3), not exact (x's rounding), and so kept to a prompt's rows.
+GGUF_INT8X_ROWS = {"q4_k": 32, "q5_k": 32, "q6_k": 32, "q5_0": 32}
 # A draft's steps feed one token per row: the int8-x kernel up to 16 rows (a pass over SmolLM2's products from memory,
 # 2 threads: 3.3 against 6.8 ms at 1 row, 16.0 against 20.1 at 16; benchmarks/kernels.py), the exact paths beyond.
 INT8X_MAX_ROWS = 16
@@ -92,8 +98,24 @@ def _float_kernel_fits(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32 and weight.is_contiguous() and weight.shape[1] % 32 == 0
 
 
+def exact_products(exact: bool) -> None:
+    """Whether a GGUF block format's prompt products stay in float32 (MetaModel.from_pretrained's exact_products)
+    instead of taking x in int8 (GGUF_INT8X_ROWS). A plain global, which torch.compile reads."""
+    global _gguf_int8x
+    _gguf_int8x = not exact
+
+
+_gguf_int8x = True
+
+
+def _takes_gguf_int8x(fmt: str) -> bool:
+    return _gguf_int8x and fmt in GGUF_BLOCKS and int8x_kernels()
+
+
 def _kernel_max_rows(fmt: str) -> int:
-    return BLOCK_KERNEL_MAX_ROWS if fmt in GGUF_BLOCKS else KERNEL_MAX_ROWS
+    if fmt in GGUF_BLOCKS:
+        return GGUF_INT8X_ROWS[fmt] - 1 if _takes_gguf_int8x(fmt) else BLOCK_KERNEL_MAX_ROWS
+    return KERNEL_MAX_ROWS
 
 
 def quantized_linear(x: torch.Tensor, fmt: str, q: torch.Tensor, scale: Optional[torch.Tensor] = None,
@@ -108,6 +130,8 @@ def quantized_linear(x: torch.Tensor, fmt: str, q: torch.Tensor, scale: Optional
     elif rows.shape[0] <= most and _kernels_here(x.device):
         out = torch.ops.accessory.quantized_linear_cpu(rows.float().contiguous(), fmt, q, scale, minimum)
         out = out.to(x.dtype)
+    elif _takes_gguf_int8x(fmt) and _kernels_here(x.device):
+        out = torch.ops.accessory.gguf_int8x_linear_cpu(rows.float().contiguous(), fmt, q).to(x.dtype)
     elif fmt in QUANTIZERS and cuda_takes(rows):
         out = torch.ops.accessory.quantized_linear_cuda(rows.contiguous(), fmt, q, scale, minimum)
     else:

@@ -1,5 +1,5 @@
 // The CPU kernels of cpu_kernels.c as torch operators (accessory::linear_cpu, quantized_linear_cpu, dequantize_gguf_cpu,
-// int4_int8x_linear_cpu, decode_attention_cpu, rms_norm_cpu, rotary_cpu, gated_cpu, attend_cpu, and a block's halves
+// gguf_int8x_linear_cpu, int4_int8x_linear_cpu, decode_attention_cpu, rms_norm_cpu, rotary_cpu, gated_cpu, attend_cpu, and a block's halves
 // attention_block_cpu and mlp_block_cpu), so that eager code and torch.compile's generated code both reach them through the dispatcher at C++ cost.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -19,9 +19,11 @@ void accessory_linear_f32(const float *x, int64_t M, int64_t K, const float *w, 
 int accessory_linear_gguf(const char *fmt, const float *x, int64_t M, int64_t K, const uint8_t *q, int64_t N,
                           float *y);
 int accessory_dequantize_gguf(const char *fmt, const uint8_t *q, int64_t N, int64_t K, float *out);
+int accessory_linear_gguf_int8x(const char *fmt, const float *x, int64_t M, int64_t K, const uint8_t *q, int64_t N,
+                                float *y);
 int accessory_linear_int4_int8x(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *scale,
                                const uint16_t *mins, int64_t N, float *y);
-int accessory_int4_int8x(void);
+int accessory_int8x(void);
 void accessory_decode_attention(const float *q, const float *k, const float *v, const int64_t *positions, int64_t B,
                                 int64_t L, int64_t H, int64_t Hkv, int64_t S, int64_t D, float *out);
 void accessory_rms_norm(const float *x, int64_t rows, int64_t dim, const float *w, float eps, float offset,
@@ -60,6 +62,25 @@ static at::Tensor dequantize_gguf_cpu(const at::Tensor &q, c10::string_view fmt,
     const std::string name(fmt.data(), fmt.size());
     accessory_dequantize_gguf(name.c_str(), q.data_ptr<uint8_t>(), q.size(0), features, w.data_ptr<float>());
     return w;
+}
+
+// x (rows, in) @ W^T for W in a GGUF block format, with x quantized to int8 (cpu_kernels.c: a prompt's products).
+static at::Tensor gguf_int8x_linear_cpu(const at::Tensor &x, c10::string_view fmt, const at::Tensor &q) {
+    int64_t values = 0, bytes = 0;
+    TORCH_CHECK(accessory_int8x(), "gguf_int8x_linear_cpu: the kernels were built without AVX-512 or AVX2");
+    TORCH_CHECK(gguf_block(fmt, values, bytes), "gguf_int8x_linear_cpu: ", fmt, " is not a GGUF block format");
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+                "gguf_int8x_linear_cpu: x must be a contiguous float32 matrix");
+    const int64_t rows = x.size(0), features = x.size(1), outputs = q.size(0);
+    TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kByte && features % values == 0 &&
+                q.size(1) == features / values * bytes, "gguf_int8x_linear_cpu: ", fmt, " needs uint8 q (out, in / ",
+                values, " * ", bytes, ") and in a multiple of ", values);
+    at::Tensor y = at::empty({rows, outputs}, x.options());
+    const std::string name(fmt.data(), fmt.size());
+    const int failed = accessory_linear_gguf_int8x(name.c_str(), x.data_ptr<float>(), rows, features,
+                                                   q.data_ptr<uint8_t>(), outputs, y.data_ptr<float>());
+    TORCH_CHECK(!failed, "gguf_int8x_linear_cpu: out of memory for x's ", rows * features, " int8 values");
+    return y;
 }
 
 static at::Tensor quantized_linear_cpu(const at::Tensor &x, c10::string_view fmt, const at::Tensor &q,
@@ -101,7 +122,7 @@ static at::Tensor quantized_linear_cpu(const at::Tensor &x, c10::string_view fmt
 // uint8, scale and min (tiles, groups * 16) fp16; `outputs` the rows of W (the last tile's rows past it are padding).
 static at::Tensor int4_int8x_linear_cpu(const at::Tensor &x, const at::Tensor &q, const at::Tensor &scale,
                                        const at::Tensor &minimum, int64_t outputs) {
-    TORCH_CHECK(accessory_int4_int8x(),
+    TORCH_CHECK(accessory_int8x(),
                 "int4_int8x_linear_cpu: the kernels were built without AVX-512 VNNI or AVX2");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % 32 == 0,
                 "int4_int8x_linear_cpu: x must be a contiguous float32 matrix, its columns a multiple of 32");
@@ -322,6 +343,7 @@ static at::Tensor shm_all_gather(const at::Tensor &x, int64_t group, int64_t wor
 TORCH_LIBRARY(accessory, m) {
     m.def("quantized_linear_cpu(Tensor x, str fmt, Tensor q, Tensor? scale, Tensor? minimum) -> Tensor");
     m.def("dequantize_gguf_cpu(Tensor q, str fmt, int features) -> Tensor");
+    m.def("gguf_int8x_linear_cpu(Tensor x, str fmt, Tensor q) -> Tensor");
     m.def("int4_int8x_linear_cpu(Tensor x, Tensor q, Tensor scale, Tensor minimum, int outputs) -> Tensor");
     m.def("linear_cpu(Tensor x, Tensor w) -> Tensor");
     m.def("decode_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor positions) -> Tensor");
@@ -343,6 +365,7 @@ TORCH_LIBRARY(accessory, m) {
 TORCH_LIBRARY_IMPL(accessory, CPU, m) {
     m.impl("quantized_linear_cpu", &quantized_linear_cpu);
     m.impl("dequantize_gguf_cpu", &dequantize_gguf_cpu);
+    m.impl("gguf_int8x_linear_cpu", &gguf_int8x_linear_cpu);
     m.impl("int4_int8x_linear_cpu", &int4_int8x_linear_cpu);
     m.impl("linear_cpu", &linear_cpu);
     m.impl("decode_attention_cpu", &decode_attention_cpu);

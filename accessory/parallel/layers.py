@@ -31,7 +31,7 @@ from torch import nn
 from accessory.parallel.context import ParallelContext
 from accessory.quant.formats import PARTS, block_size
 from accessory.kernels import linear, quantized_linear
-from accessory.kernels.build import int4_int8x
+from accessory.kernels.build import int8x_kernels
 from accessory.parallel.quantized_weight import QuantizedWeight, hold_int8x_copy, int8x_parts
 
 
@@ -263,7 +263,7 @@ def repack_int4_for_int8x(model: nn.Module) -> int:
     """Give each int4 product of `model` on the CPU its int8-x copy (hold_int8x_copy), where the kernels have that
     product (AVX-512 with VNNI, or AVX2): for a draft model, whose products need not be exact. The layers of a
     FusedColumns are not products of their own (its stacked weight is). Returns the bytes added."""
-    if not int4_int8x():
+    if not int8x_kernels():
         return 0
     fused = {id(layer.weight) for module in model.modules() if isinstance(module, FusedColumns)
              for layer in module.layers}

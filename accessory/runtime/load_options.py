@@ -38,4 +38,5 @@ class LoadOptions:
     speculative_config: Optional[dict] = None
     lora: Optional[PathLike] = None
     lora_modules: Optional[dict[str, PathLike]] = None
+    exact_products: bool = False
 

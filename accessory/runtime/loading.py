@@ -21,6 +21,7 @@ from accessory.generation.batch_size import AUTO, auto_batch_size
 from accessory.generation.engine import EngineSettings
 from accessory.generation.speculative import SpeculativeConfig
 from accessory.kernels import cpu_kernels
+from accessory.kernels.dispatch import exact_products
 from accessory.network.LLM import model_classes
 from accessory.network.memory import back_with_huge_pages, check_fits, return_freed_memory
 from accessory.parallel import ParallelContext, fairscale_model_parallel_group, init_distributed, share_cores
@@ -56,6 +57,7 @@ def load(options: LoadOptions) -> Loaded:
     paths = options.pretrained_path
     folders = [imported(Path(p)) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
     compile, quant, rank_timeout = options.compile, options.quant, options.rank_timeout
+    exact_products(options.exact_products)
     speculative = SpeculativeConfig.from_dict(options.speculative_config)
     auto_rows = options.max_batch_size == AUTO  # sized once the model is loaded (generation/batch_size.py)
     settings = EngineSettings(max_batch_size=1 if auto_rows else options.max_batch_size, compile=compile,  # checked

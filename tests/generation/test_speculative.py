@@ -152,13 +152,13 @@ def test_the_int4_draft_multiplies_with_x_in_int8(smol):
     compiled step's package key; its few-row products are within x's int8 rounding of the exact ones, prefill's
     exact. The greedy test above runs these products and gives plain decoding's tokens."""
     from accessory.generation.package_key import model_key
-    from accessory.kernels.build import int4_int8x
+    from accessory.kernels.build import int8x_kernels
     from accessory.kernels.dispatch import INT8X_MAX_ROWS
     from accessory.parallel.layers import FusedColumns, repack_int4_for_int8x
     from accessory.parallel.quantized_weight import INT8X_PARTS
     from accessory.quant.formats import dequantize
 
-    if not int4_int8x():
+    if not int8x_kernels():
         pytest.skip("the CPU kernels here have no int8-x product (neither AVX-512 VNNI nor AVX2)")
     draft = smol["self-int4"].engine.draft_model
     fused = {id(layer.weight) for m in draft.modules() if isinstance(m, FusedColumns) for layer in m.layers}

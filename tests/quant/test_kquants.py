@@ -1,6 +1,7 @@
 """GGUF's K-quants kept (Q4_K, Q5_K, Q6_K, and Q5_0): the import-only block formats of quant/formats.py against the
 `gguf` package as the oracle, on the real tensors of Google's Gemma 3 270M Q4_K_M file and on synthetic blocks
-(bit-exact); their CPU kernels (every instruction-set variant) against F.linear on the dequantized weight; a
+(bit-exact); their CPU kernels (every instruction-set variant) against F.linear on the dequantized weight, and a
+prompt's products with x in int8 against that arithmetic done in float64; a
 model that holds them converted from a GGUF, loaded at 1 and 2 ranks, resharded on disk; and the refusals (a split
 of `in` off the blocks, quantizing to an import-only format)."""
 from __future__ import annotations
@@ -35,6 +36,26 @@ def random_blocks(fmt: str, rows: int, columns: int, seed: int = 0, scale: float
         halves.flat[::7] = np.float16(3e-7)  # subnormal in float16
         blocks[..., at:at + 2] = halves.view(np.uint8).reshape(rows, columns // values, 2)
     return blocks.reshape(rows, -1)
+
+
+# Each block's bytes that hold its values (the rest: scales); zeroed, the block dequantizes to its minimums.
+CODES = {"q4_k": (16, 144), "q5_k": (16, 176), "q6_k": (0, 192), "q5_0": (2, 22)}
+
+
+def int8x_reference(x: torch.Tensor, q: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x @ W^T as the int8-x kernels compute it, in float64: x's groups of 32 rounded to int8 (scale max |x| / 127,
+    in float32 as the kernel does), W's values s * code + mn taken on the rounded x, and its minimums mn on x itself
+    (the kernel adds mn * sum(x))."""
+    from accessory.quant.formats import GGUF_BLOCKS, dequantize
+
+    groups = x.reshape(x.shape[0], -1, 32)
+    top = groups.abs().amax(-1, keepdim=True)
+    inverse = torch.where(top > 0, torch.full_like(top, 127.0) / top, 0.0)  # torch's 127.0 / top is 127 * (1 / top)
+    rounded = (torch.round(groups * inverse).double() * (top / 127.0).double()).reshape(x.shape)
+    blocks = q.reshape(q.shape[0], -1, GGUF_BLOCKS[fmt][1]).clone()
+    blocks[..., slice(*CODES[fmt])] = 0
+    minimums = dequantize({"q": blocks.reshape(q.shape)}, fmt).double()
+    return rounded @ dequantize({"q": q}, fmt).double().T + (x.double() - rounded) @ minimums.T
 
 
 def gguf_type(fmt: str) -> gguf.GGMLQuantizationType:
@@ -100,24 +121,27 @@ def test_the_kernels_dequantize_exactly_as_gguf(fmt):
 # ---- kernels --------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", K_FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 5, 16, 40, 520])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 31, 40, 520])
 def test_quantized_linear_equals_f_linear_on_the_dequantized_weight(fmt, rows):
-    """Up to 128 rows the kernel, above (520) the dequantizing path; K = 768 (not a multiple of 512), an odd number
-    of outputs; and bf16 input."""
+    """Below GGUF_INT8X_ROWS the exact kernel; from there (40, 520) x in int8, its own arithmetic to float32's
+    rounding and within x's rounding of the exact product; K = 768 (not a multiple of 512), an odd number of
+    outputs; and bf16 input."""
     from accessory.kernels import quantized_linear
-    from accessory.kernels.dispatch import BLOCK_KERNEL_MAX_ROWS
+    from accessory.kernels.build import int8x_kernels
+    from accessory.kernels.dispatch import GGUF_INT8X_ROWS
     from accessory.quant.formats import dequantize
 
-    assert 40 <= BLOCK_KERNEL_MAX_ROWS < 520
-
+    assert 31 < GGUF_INT8X_ROWS[fmt] <= 40 and int8x_kernels()
     q = torch.from_numpy(random_blocks(fmt, 77, 768, seed=rows))
     x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
-    reference = F.linear(x.double(), dequantize({"q": q}, fmt).double())
+    exact = F.linear(x.double(), dequantize({"q": q}, fmt).double())
+    reference = int8x_reference(x, q, fmt) if rows >= GGUF_INT8X_ROWS[fmt] else exact
     out = quantized_linear(x, fmt, q)
     assert out.dtype == torch.float32 and out.shape == (rows, 77)
     assert (out.double() - reference).abs().max() <= 1e-5 * reference.abs().max()
+    assert (out.double() - exact).abs().max() <= 3e-2 * exact.abs().max()
     low = quantized_linear(x.bfloat16(), fmt, q)
-    assert low.dtype == torch.bfloat16 and (low.double() - reference).abs().max() <= 2e-2 * reference.abs().max()
+    assert low.dtype == torch.bfloat16 and (low.double() - exact).abs().max() <= 3e-2 * exact.abs().max()
 
 
 def test_a_block_format_embedding_looks_up_dequantized_rows():
@@ -130,10 +154,11 @@ def test_a_block_format_embedding_looks_up_dequantized_rows():
     assert torch.equal(table.embed(tokens, torch.float32), table.dequantize()[tokens])
 
 
-@pytest.mark.parametrize("march,isa", [("haswell", "avx2"), ("x86-64", "generic")])
+@pytest.mark.parametrize("march,isa", [("haswell", "avx2"), ("skylake-avx512", "avx512"), ("x86-64", "generic")])
 def test_every_kernel_variant_equals_the_reference(tmp_path, march, isa):
-    """The AVX2 + FMA + F16C and plain C paths whatever this machine is (the native one runs above), called
-    through ctypes on the C code alone; K = 1280 (5 blocks of 256), 1 to 6 rows (tiles and leftovers)."""
+    """The AVX2 + FMA + F16C, AVX-512 without VNNI and plain C paths whatever this machine is (the native one runs
+    above), called through ctypes on the C code alone; K = 1280 (5 blocks of 256), 1 to 6 rows (tiles and
+    leftovers), and 9 rows with x in int8 (not built in plain C)."""
     from accessory.kernels.build import SOURCES
     from accessory.quant.formats import dequantize
 
@@ -143,7 +168,8 @@ def test_every_kernel_variant_equals_the_reference(tmp_path, march, isa):
     lib = ctypes.CDLL(str(library))
     lib.accessory_kernels_isa.restype = ctypes.c_char_p
     assert lib.accessory_kernels_isa().decode() == isa
-    x = torch.randn(6, 1280, generator=torch.Generator().manual_seed(0))
+    assert lib.accessory_int8x() == (isa != "generic")
+    x = torch.randn(9, 1280, generator=torch.Generator().manual_seed(0))
     for fmt in K_FORMATS:
         q = torch.from_numpy(random_blocks(fmt, 37, 1280, seed=3))
         for rows in (1, 2, 3, 4, 6):
@@ -156,6 +182,12 @@ def test_every_kernel_variant_equals_the_reference(tmp_path, march, isa):
         args = [q.data_ptr(), 37, 1280, weights.data_ptr()]
         assert lib.accessory_dequantize_gguf(fmt.encode(), *[ctypes.c_int64(a) for a in args]) == 0
         assert torch.equal(weights, dequantize({"q": q}, fmt)), fmt
+        if isa != "generic":
+            out = torch.empty(9, 37)
+            args = [x.data_ptr(), 9, 1280, q.data_ptr(), 37, out.data_ptr()]
+            assert lib.accessory_linear_gguf_int8x(fmt.encode(), *[ctypes.c_int64(a) for a in args]) == 0
+            reference = int8x_reference(x, q, fmt)
+            assert (out.double() - reference).abs().max() <= 1e-5 * reference.abs().max(), (fmt, "int8x")
 
 
 def test_a_compiled_graph_calls_the_kernel():

@@ -243,6 +243,22 @@ def test_convert_gguf_writes_each_tensor_as_made(tmp_path, monkeypatch):
     assert all(torch.equal(saved["llma." + name], t) for name, t in tensors.items())
 
 
+def test_convert_gguf_to_hf_makes_each_tensor_once(tmp_path, monkeypatch):
+    """The HF writer too reads each tensor once, as its file is written (it made every tensor to check the shapes,
+    and held them all while writing)."""
+    import accessory.checkpoint.importers.gguf as gguf_importer
+    from accessory.checkpoint.convert import convert
+
+    made, dequantized = [], gguf_importer._dequantized
+    monkeypatch.setattr(gguf_importer, "_dequantized", lambda *a: made.append(a[-2]) or dequantized(*a))
+    tensors = _meta_tensors(tied=False)
+    _write_gguf(tmp_path / "m.gguf", tensors)
+    convert("gguf", tmp_path / "m.gguf", tmp_path / "hf", dtype=torch.float32, target="hf")
+    assert sorted(made) == sorted(set(made)) and len(made) == len(tensors)
+    saved = load_file(tmp_path / "hf" / "model.safetensors")
+    assert torch.equal(saved["model.layers.1.mlp.down_proj.weight"], tensors["layers.1.feed_forward.w2.weight"])
+
+
 # ------------------------------------------------------------------------------------------------------------ HF
 
 def _tiny_hf(tied: bool, rope_scaling=None, seed: int = 0):

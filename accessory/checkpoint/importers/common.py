@@ -25,15 +25,17 @@ class ImportedModel:
 
 class LazyTensors(Mapping):
     """A state dict whose tensors are made when they are read, and not kept: `recipes` maps each name to a function
-    of no arguments that makes its tensor. A writer that reads each name once and lets it go holds one tensor at a
-    time beside what it writes, so an import that computes its tensors (a GGUF dequantized) never holds the model
-    twice. Each read makes the tensor anew."""
+    of no arguments that makes its tensor, `shapes` to its shape. A writer that reads each name once and lets it go
+    holds one tensor at a time beside what it writes, so an import that computes its tensors (a GGUF dequantized)
+    never holds the model twice. Each read makes the tensor anew."""
 
-    def __init__(self, recipes: dict[str, Callable[[], torch.Tensor]]):
-        self._recipes = recipes
+    def __init__(self, recipes: dict[str, Callable[[], torch.Tensor]], shapes: dict[str, tuple]):
+        self._recipes, self.shapes = recipes, shapes
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self._recipes[name]()
+        tensor = self._recipes[name]()
+        assert tuple(tensor.shape) == tuple(self.shapes[name]), (name, tensor.shape, self.shapes[name])
+        return tensor
 
     def __contains__(self, name) -> bool:  # Mapping's own would make the tensor to answer
         return name in self._recipes
@@ -43,6 +45,13 @@ class LazyTensors(Mapping):
 
     def __len__(self) -> int:
         return len(self._recipes)
+
+
+def shapes_of(state_dict: Mapping[str, torch.Tensor]) -> dict[str, tuple]:
+    """Name -> shape, without making a LazyTensors' tensors."""
+    if isinstance(state_dict, LazyTensors):
+        return dict(state_dict.shapes)
+    return {name: tuple(t.shape) for name, t in state_dict.items()}
 
 
 def expand_templates(table: dict[str, str], n_layers: int, n_experts: int = 0) -> dict[str, str]:

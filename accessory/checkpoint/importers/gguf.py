@@ -47,7 +47,7 @@ from accessory.checkpoint.importers.families import gguf_family, with_family_nam
 from accessory.checkpoint.importers.hf import hf_to_meta_qk, rotate_half_to_interleaved
 from accessory.errors import CheckpointError, ConfigError
 from accessory.network.components import LLAMA3_ROPE_DEFAULTS, base_frequencies, llama3_scaled
-from accessory.quant.formats import GGUF_BLOCKS, PARTS
+from accessory.quant.formats import GGUF_BLOCKS, part_shapes
 
 # GGUF name -> canonical name; `{i}` is the layer index.
 GGUF_TO_META = {
@@ -125,13 +125,14 @@ class Pending:
 def _state_dict(weights: dict[str, Pending]) -> LazyTensors:
     """Canonical name -> its tensor, made on each read; a Kept matrix's parts under NAME.q, NAME.scale, ... (each
     part read alone makes the matrix's parts and keeps that one: they are its bytes, copied)."""
-    recipes = {}
+    recipes, shapes = {}, {}
     for name, value in weights.items():
         if value.fmt is None:
-            recipes[name] = value.make
-        else:
-            recipes.update((f"{name}.{part}", partial(_kept_part, value.make, part)) for part in PARTS[value.fmt])
-    return LazyTensors(recipes)
+            recipes[name], shapes[name] = value.make, value.shape
+            continue
+        for part, shape in part_shapes(value.fmt, *value.shape).items():
+            recipes[f"{name}.{part}"], shapes[f"{name}.{part}"] = partial(_kept_part, value.make, part), shape
+    return LazyTensors(recipes, shapes)
 
 
 def _kept_part(make: Callable[[], "Kept"], part: str) -> torch.Tensor:

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
+from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from tqdm import tqdm
 
-from accessory.checkpoint.importers.common import (ImportedModel, check_shapes, expand_templates, rename_strict,
-                                            validated_args)
+from accessory.checkpoint.importers.common import (ImportedModel, LazyTensors, check_shapes, expand_templates,
+                                                   rename_strict, shapes_of, validated_args)
 from accessory.checkpoint.importers.families import (Family, hf_family, qk_tensors, with_family_names,
                                                       without_dense_mlp)
 from accessory.errors import CheckpointError, ConfigError
@@ -347,19 +350,27 @@ def _rope_to_hf(args) -> Optional[dict]:
     return {"rope_type": kind, **{k: scaling.get(k, defaults.get(k)) for k in _ROPE_KEYS[kind]}}
 
 
-def hf_state_dict(state_dict: dict[str, torch.Tensor], args, source: str) -> dict[str, torch.Tensor]:
-    """Canonical tensors -> HF names, q/k permuted to rotate-half; the inverse of `read_hf`'s renaming."""
+def hf_state_dict(state_dict: Mapping[str, torch.Tensor], args, source: str) -> LazyTensors:
+    """Canonical tensors -> HF names, q/k permuted to rotate-half, each read from `state_dict` when it is read
+    itself (a LazyTensors source makes one tensor at a time); the inverse of `read_hf`'s renaming."""
     to_hf = {ours: theirs for theirs, ours in expand_templates(HF_TO_META, args.n_layers).items()}
-    out = rename_strict(state_dict, to_hf, source, optional=frozenset({"lm_head.weight"}))
-    check_shapes({name: tuple(t.shape) for name, t in state_dict.items()}, args, source)
+    reads = rename_strict({name: partial(state_dict.__getitem__, name) for name in state_dict}, to_hf, source,
+                          optional=frozenset({"lm_head.weight"}))
+    shapes = shapes_of(state_dict)
+    check_shapes(shapes, args, source)
     if args.tie_word_embeddings:
-        out.pop("lm_head.weight", None)  # HF ties it to embed_tokens when loading
-    elif "lm_head.weight" not in out:
+        reads.pop("lm_head.weight", None)  # HF ties it to embed_tokens when loading
+    elif "lm_head.weight" not in reads:
         raise CheckpointError(f"{source}: missing output.weight, and tie_word_embeddings is false")
     for i in range(args.n_layers):
-        q, k = f"model.layers.{i}.self_attn.q_proj.weight", f"model.layers.{i}.self_attn.k_proj.weight"
-        out[q], out[k] = meta_to_hf_qk(out[q], args.n_heads), meta_to_hf_qk(out[k], args.n_kv_heads)
-    return out
+        for proj, heads in (("q", args.n_heads), ("k", args.n_kv_heads)):
+            name = f"model.layers.{i}.self_attn.{proj}_proj.weight"
+            reads[name] = partial(_to_rotate_half, reads[name], heads)
+    return LazyTensors(reads, {to_hf[name]: shape for name, shape in shapes.items() if to_hf[name] in reads})
+
+
+def _to_rotate_half(read: Callable[[], torch.Tensor], heads: int) -> torch.Tensor:
+    return meta_to_hf_qk(read(), heads)
 
 
 def write_hf(model: ImportedModel, dst, dtype: Optional[torch.dtype] = None, max_shard_bytes: int = 5 << 30,
@@ -387,17 +398,17 @@ def write_hf(model: ImportedModel, dst, dtype: Optional[torch.dtype] = None, max
     return Path(dst)
 
 
-def _write_safetensors(weights: dict[str, torch.Tensor], folder: Path, dtype: torch.dtype, max_bytes: int,
-                       name: str) -> None:
+def _write_safetensors(weights: LazyTensors, folder: Path, dtype: torch.dtype, max_bytes: int, name: str) -> None:
+    """Each tensor read once, as its file is written: one file's tensors in memory at a time."""
     from safetensors.torch import save_file
 
     groups, size = [[]], 0
-    for name, w in weights.items():  # fill each file up to max_bytes, in the table's order
-        nbytes = w.numel() * dtype.itemsize
+    sizes = {n: math.prod(shape) * dtype.itemsize for n, shape in weights.shapes.items()}
+    for n, nbytes in sizes.items():  # fill each file up to max_bytes, in the table's order
         if groups[-1] and size + nbytes > max_bytes:
             groups.append([])
             size = 0
-        groups[-1].append(name)
+        groups[-1].append(n)
         size += nbytes
     names = (["model.safetensors"] if len(groups) == 1 else
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
@@ -406,7 +417,7 @@ def _write_safetensors(weights: dict[str, torch.Tensor], folder: Path, dtype: to
         save_file({n: weights[n].to(dtype).contiguous().clone() for n in group}, str(folder / file),
                   metadata={"format": "pt"})  # transformers refuses safetensors without this metadata
     if len(groups) > 1:
-        index = {"metadata": {"total_size": sum(w.numel() * dtype.itemsize for w in weights.values())},
+        index = {"metadata": {"total_size": sum(sizes.values())},
                  "weight_map": {n: file for file, group in zip(names, groups) for n in group}}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 

@@ -24,8 +24,9 @@ Q5_K / Q6_K (that is why the Q4_K_M file holds the others in Q5_0): each format 
 beside the int4 kernel on the same products (a reference of bytes per second), the Q8_0 head alone (as int8), and
 the file's own mix (Q5_0, Q8_0, Q4_K, Q6_K as Google's Q4_K_M holds them, the Q8_0 head as int8) runs on the whole
 pass. Each is our kernel (accessory::quantized_linear_cpu, called directly, whatever the row count) against the
-portable path (W dequantized in 8 MiB chunks for F.linear, dispatch.py), so the rows where the two cross are
-visible:
+portable path (W dequantized in 8 MiB chunks for F.linear, dispatch.py) and the product with x quantized to int8
+(accessory::gguf_int8x_linear_cpu, what a prompt's rows take: dispatch.py GGUF_INT8X_ROWS), so the rows where they
+cross are visible:
 
     python benchmarks/kernels.py --model gemma3 --rows 1 16 --repeats 5 --threads 2
 """
@@ -199,6 +200,8 @@ def gemma3(args) -> None:
         formats = {fmt for _, fmt in products}
         parts = [block_parts(shape, fmt) for shape, fmt in products]
         candidates = [("ours", kernel_product), ("dequantize + F.linear", portable_product)]
+        if formats & {"q4_k", "q5_k", "q6_k", "q5_0"}:
+            candidates.append(("ours, x in int8 (a prompt's)", int8x_product))
         if formats <= {"q4_k", "q5_k", "q6_k", "q5_0"}:
             candidates.append(("int4 ours, same products", None))
         for name, make in candidates:
@@ -237,6 +240,15 @@ HALF_AT = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "q5_0": (0,)}  # a bl
 def kernel_product(parts):
     return lambda i, x: torch.ops.accessory.quantized_linear_cpu(x, parts[i][0], parts[i][1]["q"],
                                                                  parts[i][1].get("scale"), parts[i][1].get("min"))
+
+
+def int8x_product(parts):
+    """A GGUF block format's product with x quantized to int8 (what a prompt's rows take); others as ours."""
+    from accessory.quant.formats import GGUF_BLOCKS
+
+    kernel = kernel_product(parts)
+    return lambda i, x: (torch.ops.accessory.gguf_int8x_linear_cpu(x, parts[i][0], parts[i][1]["q"])
+                         if parts[i][0] in GGUF_BLOCKS else kernel(i, x))
 
 
 def portable_product(parts):

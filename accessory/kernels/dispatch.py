@@ -52,10 +52,11 @@ KERNEL_MAX_ROWS = 32
 # 200, Q5_0's near 500; benchmarks/README.md). Past them W is now dequantized by a kernel (dequantize_gguf_cpu),
 # which moves the crossing lower: to be measured again (issue 39).
 BLOCK_KERNEL_MAX_ROWS = 128
-# From these rows of x on, a GGUF block format's product quantizes x to int8 and multiplies in integers, as llama.cpp
-# does (gguf_int8x_linear_cpu, where the kernels have it: AVX-512 or AVX2): faster than the exact kernels from about
-# here (benchmarks/kernels.py --model gemma3), not exact (x's rounding), and so kept to a prompt's rows.
-GGUF_INT8X_ROWS = {"q4_k": 32, "q5_k": 32, "q6_k": 32, "q5_0": 32}
+# From these rows of x on (a prompt, a batch of 16 decode rows), a GGUF block format's product quantizes x to int8 and
+# multiplies in integers, as llama.cpp does (gguf_int8x_linear_cpu, where the kernels have it: AVX-512 or AVX2): not
+# exact (x's rounding), and faster than the exact kernels from 8-16 rows (Gemma 3 270M's products, 2 threads, AMD
+# EPYC: 1.3x at 16 rows, 2-2.8x at 64; benchmarks/README.md). Each row's result depends on that row alone.
+GGUF_INT8X_ROWS = {"q4_k": 16, "q5_k": 16, "q6_k": 16, "q5_0": 16}
 # A draft's steps feed one token per row: the int8-x kernel up to 16 rows (a pass over SmolLM2's products from memory,
 # 2 threads: 3.3 against 6.8 ms at 1 row, 16.0 against 20.1 at 16; benchmarks/kernels.py), the exact paths beyond.
 INT8X_MAX_ROWS = 16

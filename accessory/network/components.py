@@ -159,7 +159,7 @@ class WindowPrefill:
     ring columns holding the row's last positions before `past` (in position order), and the mask over those and
     the segment's own tokens."""
     columns: torch.Tensor  # (held,) ring columns
-    mask: torch.Tensor  # (length, held + length) bool
+    mask: Optional[torch.Tensor]  # (length, held + length) bool; None: plain causal (nothing held, all in the window)
     keep: int  # the segment's last `keep` tokens are written to the ring (the others fall out of the window)
 
 
@@ -167,7 +167,9 @@ def window_prefill(seg: Segment, window: int, ring_columns: int, device: torch.d
     held = min(seg.past, ring_columns)
     past_positions = torch.arange(seg.past - held, seg.past, device=device)
     new_positions = torch.arange(seg.past, seg.past + seg.length, device=device)
-    mask = window_mask(new_positions, torch.cat((past_positions, new_positions)), window)
+    keys = torch.cat((past_positions, new_positions))
+    causal = held == 0 and seg.length <= window  # SDPA's is_causal skips the masked half's work
+    mask = None if causal else window_mask(new_positions, keys, window)
     return WindowPrefill(past_positions % ring_columns, mask, min(seg.length, ring_columns))
 
 
@@ -276,7 +278,7 @@ class Attention(nn.Module):
             keys = torch.cat((cache.k[seg.row, :, plan.columns], k[own].transpose(0, 1)), dim=1)[None]
             values = torch.cat((cache.v[seg.row, :, plan.columns], v[own].transpose(0, 1)), dim=1)[None]
             attended.append(F.scaled_dot_product_attention(q[:, :, own], keys, values, attn_mask=plan.mask,
-                                                           enable_gqa=True))
+                                                           is_causal=plan.mask is None, enable_gqa=True))
         for seg, plan in zip(segments, plans):
             last = slice(seg.start + seg.length - plan.keep, seg.start + seg.length)
             positions = torch.arange(seg.past + seg.length - plan.keep, seg.past + seg.length, device=k.device)

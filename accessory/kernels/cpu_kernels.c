@@ -1361,9 +1361,14 @@ void accessory_gated(const float *gate, int64_t gate_stride, const float *up, in
         for (; i + LANES <= width; i += LANES)
             vec_store(yr + i, gelu_tanh ? gated_values(vec_load(g + i), vec_load(u + i), 1)
                                         : gated_values(vec_load(g + i), vec_load(u + i), 0));
-        for (; i < width; i++) { /* the last few */
-            const float k = gelu_tanh ? 1.5957691216f * (g[i] + 0.044715f * g[i] * g[i] * g[i]) : g[i];
-            yr[i] = g[i] * u[i] / (1.0f + expf(-(k > -88.0f ? k : -88.0f)));
+        if (i < width) { /* the last few through a padded vector: each value by the same arithmetic wherever it falls,
+                            so a rank's slice of the hidden units (another width) gives the values the whole does */
+            float gl[LANES] = {0}, ul[LANES] = {0}, out[LANES];
+            memcpy(gl, g + i, (width - i) * sizeof(float));
+            memcpy(ul, u + i, (width - i) * sizeof(float));
+            const vec gv = vec_load(gl), uv = vec_load(ul);
+            vec_store(out, gelu_tanh ? gated_values(gv, uv, 1) : gated_values(gv, uv, 0));
+            memcpy(yr + i, out, (width - i) * sizeof(float));
         }
     }
 }

@@ -41,6 +41,7 @@ _library: Optional[Path] = None
 _tried = False
 _one_row_kernel = False
 _int8x = False
+_one_row_int8x = True  # what set_one_row_int8x asked for, applied when the library loads
 
 
 def cpu_kernels() -> bool:
@@ -71,6 +72,7 @@ def cpu_kernels() -> bool:
             global _one_row_kernel, _int8x
             _one_row_kernel = _one_row_choice(path.parent)
             _int8x = bool(ctypes.CDLL(str(path)).accessory_int8x())
+            ctypes.CDLL(str(path)).accessory_set_int8x_one_row(int(_one_row_int8x))
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             log.warning("quantized CPU kernels unavailable (%s); using dequantize + matmul, which is slower", e)
     return _library is not None
@@ -130,6 +132,15 @@ def _time_one_row(rounds: int = 5) -> tuple[float, float]:
 def library_path() -> Optional[Path]:
     """The loaded library (for its plain C functions, through ctypes), building it first if needed; None without."""
     return _library if cpu_kernels() else None
+
+
+def set_one_row_int8x(enabled: bool) -> None:
+    """Whether one row of x against Q5_0 (a batch-1 decode step) takes x in int8 in the kernels (AVX-512 builds);
+    off with exact products (dispatch.exact_products). Process-wide, in the library."""
+    global _one_row_int8x
+    _one_row_int8x = enabled
+    if _library is not None:
+        ctypes.CDLL(str(_library)).accessory_set_int8x_one_row(int(enabled))
 
 
 def int8x_kernels() -> bool:

@@ -9,7 +9,7 @@ torch path that computes the same values by other arithmetic.
   (Triton kernels, cuda.py; int8 / int4); more rows (prefill), float32 on CUDA, GGUF's block formats on CUDA, or no
   kernels: W is dequantized in row chunks for F.linear (a GGUF block format's by a kernel on the CPU). A GGUF block
   format's prompt (GGUF_INT8X_ROWS rows and more) quantizes x to int8 and multiplies in integers instead, as
-  llama.cpp does, unless `exact_products(True)`.
+  llama.cpp does, and so does one row against Q5_0 in the AVX-512 kernels, unless `exact_products(True)`.
 - `quantized_linear` with `int8x` parts (a draft model's int4 weights repacked by `pack_int4_int8x`): up to
   INT8X_MAX_ROWS rows take the kernel that quantizes x to int8 and multiplies in integers (AVX-512 VNNI or AVX2), as
   llama.cpp does Q4_1. Close to the exact product, not equal: a draft's proposals are verified, so its numerics
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from accessory.kernels.cuda import takes as cuda_takes
-from accessory.kernels.build import cpu_kernels, int8x_kernels, loaded, one_row_float_kernel
+from accessory.kernels.build import cpu_kernels, int8x_kernels, loaded, one_row_float_kernel, set_one_row_int8x
 from accessory.quant.formats import GGUF_BLOCKS, PARTS, QUANTIZERS, dequantize, unpack_int4
 
 # Rows of x above which the library's GEMM beats the kernels: with W float32, and with W quantized (dequantized in
@@ -100,10 +100,12 @@ def _float_kernel_fits(weight: torch.Tensor) -> bool:
 
 
 def exact_products(exact: bool) -> None:
-    """Whether a GGUF block format's prompt products stay in float32 (MetaModel.from_pretrained's exact_products)
-    instead of taking x in int8 (GGUF_INT8X_ROWS). A plain global, which torch.compile reads."""
+    """Whether a GGUF block format's products stay in float32 (MetaModel.from_pretrained's exact_products) instead
+    of taking x in int8: a prompt's (GGUF_INT8X_ROWS rows and more) and one row against Q5_0 (a batch-1 decode
+    step, in the kernels' one-row path on AVX-512). A plain global, which torch.compile reads, and the library's."""
     global _gguf_int8x
     _gguf_int8x = not exact
+    set_one_row_int8x(not exact)
 
 
 _gguf_int8x = True

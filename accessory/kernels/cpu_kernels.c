@@ -1269,10 +1269,12 @@ int accessory_linear_gguf(const char *fmt, const float *x, int64_t M, int64_t K,
         if (!strcmp(fmt, "q4_k")) one_row_q4_k(x, K, q, N, y);
         else if (!strcmp(fmt, "q5_k")) one_row_q5_k(x, K, q, N, y);
         else if (!strcmp(fmt, "q6_k")) one_row_q6_k(x, K, q, N, y);
+        else if (!strcmp(fmt, "q5_0")) {
 #ifdef Q5_0_INT8X_ONE_ROW
-        else if (!strcmp(fmt, "q5_0") && q5_0_int8x_one_row && K % 64 == 0 && !one_row_q5_0_int8x(x, K, q, N, y)) {}
+            if (q5_0_int8x_one_row && K % 64 == 0 && !one_row_q5_0_int8x(x, K, q, N, y)) return 0;
 #endif
-        else if (!strcmp(fmt, "q5_0")) one_row_q5_0(x, K, q, N, y);
+            one_row_q5_0(x, K, q, N, y); /* exact products, K an odd number of blocks, or no memory for x in int8 */
+        }
         else return -1;
         return 0;
     }

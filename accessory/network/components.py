@@ -167,9 +167,8 @@ def window_prefill(seg: Segment, window: int, ring_columns: int, device: torch.d
     held = min(seg.past, ring_columns)
     past_positions = torch.arange(seg.past - held, seg.past, device=device)
     new_positions = torch.arange(seg.past, seg.past + seg.length, device=device)
-    keys = torch.cat((past_positions, new_positions))
     causal = held == 0 and seg.length <= window  # SDPA's is_causal skips the masked half's work
-    mask = None if causal else window_mask(new_positions, keys, window)
+    mask = None if causal else window_mask(new_positions, torch.cat((past_positions, new_positions)), window)
     return WindowPrefill(past_positions % ring_columns, mask, min(seg.length, ring_columns))
 
 

@@ -187,6 +187,22 @@ def test_gated_kernel_equals_the_torch_expression(activation):
         torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
 
 
+def test_gated_kernel_gives_a_slice_of_the_hidden_units_the_values_of_the_whole():
+    """A rank holds a slice of the hidden units (another width, so other values fall in a row's last, partial
+    vector): each value is computed by the same arithmetic wherever it falls, bit for bit."""
+    from accessory.kernels import dispatch
+
+    generator = torch.Generator().manual_seed(2)
+    for width in (100, 176, 90):
+        gate, up = torch.randn(3, width, generator=generator) * 4, torch.randn(3, width, generator=generator)
+        for activation in ("silu", "gelu_tanh"):
+            whole = dispatch.gated(gate, up, activation)
+            for cut in (width // 2, width // 3):
+                parts = [dispatch.gated(g.contiguous(), u.contiguous(), activation)
+                         for g, u in zip(gate.split(cut, dim=-1), up.split(cut, dim=-1))]
+                assert torch.equal(torch.cat(parts, dim=-1), whole), (width, cut, activation)
+
+
 # (query heads, KV heads, qk-norm, attention scale, window, rows, tokens a row, each row's first position)
 ATTENTION_CASES = {
     "llama": (9, 3, False, 1.0, None, 1, 1, [37]),

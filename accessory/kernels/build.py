@@ -41,7 +41,7 @@ _library: Optional[Path] = None
 _tried = False
 _one_row_kernel = False
 _int8x = False
-_one_row_int8x = True  # what set_one_row_int8x asked for, applied when the library loads
+_int8x_products = True  # GGUF products may take x in int8 (set_int8x_products); the library learns it as it loads
 
 
 def cpu_kernels() -> bool:
@@ -72,7 +72,7 @@ def cpu_kernels() -> bool:
             global _one_row_kernel, _int8x
             _one_row_kernel = _one_row_choice(path.parent)
             _int8x = bool(ctypes.CDLL(str(path)).accessory_int8x())
-            ctypes.CDLL(str(path)).accessory_set_int8x_one_row(int(_one_row_int8x))
+            ctypes.CDLL(str(path)).accessory_set_int8x_one_row(int(_int8x_products))
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             log.warning("quantized CPU kernels unavailable (%s); using dequantize + matmul, which is slower", e)
     return _library is not None
@@ -134,13 +134,18 @@ def library_path() -> Optional[Path]:
     return _library if cpu_kernels() else None
 
 
-def set_one_row_int8x(enabled: bool) -> None:
-    """Whether one row of x against Q5_0 (a batch-1 decode step) takes x in int8 in the kernels (AVX-512 builds);
-    off with exact products (dispatch.exact_products). Process-wide, in the library."""
-    global _one_row_int8x
-    _one_row_int8x = enabled
+def set_int8x_products(enabled: bool) -> None:
+    """Whether a GGUF block format's products may take x in int8 (off with exact products: dispatch.exact_products):
+    read by dispatch.py for a prompt's, and by the library for one row against Q5_0. Process-wide."""
+    global _int8x_products
+    _int8x_products = enabled
     if _library is not None:
         ctypes.CDLL(str(_library)).accessory_set_int8x_one_row(int(enabled))
+
+
+def int8x_products() -> bool:
+    """What set_int8x_products said last (a plain global, which torch.compile reads)."""
+    return _int8x_products
 
 
 def int8x_kernels() -> bool:

@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from accessory.kernels.cuda import takes as cuda_takes
-from accessory.kernels.build import cpu_kernels, int8x_kernels, loaded, one_row_float_kernel, set_one_row_int8x
+from accessory.kernels.build import (cpu_kernels, int8x_kernels, int8x_products, loaded, one_row_float_kernel,
+                                    set_int8x_products)
 from accessory.quant.formats import GGUF_BLOCKS, PARTS, QUANTIZERS, dequantize, unpack_int4
 
 # Rows of x above which the library's GEMM beats the kernels: with W float32, and with W quantized (dequantized in
@@ -49,8 +50,8 @@ FLOAT_KERNEL_MAX_ROWS = 16
 KERNEL_MAX_ROWS = 32
 # GGUF's block formats (q4_k, ...): up to about 128 rows the products' kernels were as fast as dequantizing through
 # many small torch operations then F.linear (Gemma 3 270M's products, one thread: Q6_K's cross there, Q4_K's near
-# 200, Q5_0's near 500; benchmarks/README.md). Past them W is now dequantized by a kernel (dequantize_gguf_cpu),
-# which moves the crossing lower: to be measured again (issue 39).
+# 200, Q5_0's near 500; benchmarks/README.md). Past them W is dequantized by a kernel (dequantize_gguf_cpu). The
+# limit holds with exact products only; otherwise GGUF_INT8X_ROWS takes over below it.
 BLOCK_KERNEL_MAX_ROWS = 128
 # From these rows of x on (a prompt, a batch of 16 decode rows), a GGUF block format's product quantizes x to int8 and
 # multiplies in integers, as llama.cpp does (gguf_int8x_linear_cpu, where the kernels have it: AVX-512 or AVX2): not
@@ -102,17 +103,12 @@ def _float_kernel_fits(weight: torch.Tensor) -> bool:
 def exact_products(exact: bool) -> None:
     """Whether a GGUF block format's products stay in float32 (MetaModel.from_pretrained's exact_products) instead
     of taking x in int8: a prompt's (GGUF_INT8X_ROWS rows and more) and one row against Q5_0 (a batch-1 decode
-    step, in the kernels' one-row path on AVX-512). A plain global, which torch.compile reads, and the library's."""
-    global _gguf_int8x
-    _gguf_int8x = not exact
-    set_one_row_int8x(not exact)
-
-
-_gguf_int8x = True
+    step, in the kernels' one-row path on AVX-512). Process-wide."""
+    set_int8x_products(not exact)
 
 
 def _takes_gguf_int8x(fmt: str) -> bool:
-    return _gguf_int8x and fmt in GGUF_BLOCKS and int8x_kernels()
+    return int8x_products() and fmt in GGUF_BLOCKS and int8x_kernels()
 
 
 def _kernel_max_rows(fmt: str) -> int:

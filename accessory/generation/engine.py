@@ -148,7 +148,9 @@ class Engine:
         as many (`Lane`), and stage s runs each plan s steps after the first stage: while the last stage finishes
         one lane's step, the first begins the next lane's, with the tokens the source rank has just sampled. Where
         the step header goes point to point (across machines), a later stage sends its share ahead and runs the plan
-        it already holds while the source rank plans (`wire.header_started`).
+        it already holds while the source rank plans (`wire.header_started`); where reducing that step only sends
+        this rank's part to the source rank (no row samples or has a grammar: `Lane.sends_only`), it does so at once,
+        before it takes the plan, so the candidates reach the source rank sooner.
 
         Closing the generator early on every rank at the same point (a `break` in user code that every rank runs)
         ends the run there on every rank, and the group is ready for the next one (a pipeline's later stages first
@@ -166,11 +168,17 @@ class Engine:
         try:
             while True:
                 lane = lanes[step % len(lanes)]
+                reduced = lanes[(step - last) % len(lanes)] if step >= last else None
                 started = (header_started(self.ctx, lane.runner.rows, self.calls, step)
                            if behind and step >= behind else None)
+                ahead = False  # whether this rank reduced before the plan
                 if started is not None:  # this stage's next plan is known: run it while the source rank plans
                     with self._alone():
                         self._run_next(lanes, unrun)
+                        # ... and send the source rank its candidates at once, if that is all the reduction asks
+                        ahead = reduced is not None and reduced.sends_only()
+                        if ahead:
+                            reduced.reduce()
                 plan, events = self._next_plan(lane, followed, step, started)
                 if events and (plan.done or not followed):
                     yield events
@@ -181,8 +189,7 @@ class Engine:
                 with self._alone():
                     if started is None and step >= behind:
                         self._run_next(lanes, unrun)
-                    reduced = lanes[(step - last) % len(lanes)] if step >= last else None
-                    scored = reduced.reduce() if reduced is not None else []
+                    scored = reduced.reduce() if reduced is not None and not ahead else []
                 if events and followed:
                     yield events
                 if scored:
@@ -279,6 +286,10 @@ class Lane:
 
     def run(self, plan: Plan) -> None:
         self.stepped = self.runner.step(plan)
+
+    def sends_only(self) -> bool:
+        """Whether reducing the step run only sends this rank's part to the source rank (nothing comes back)."""
+        return self.stepped is None or (not self.stepped.scores and self.runner.vocab.sends_only)
 
     def reduce(self) -> list[PositionLogprobs]:
         """Collective: reduce the step run (the logits for the scheduler's next step); the log-probabilities of

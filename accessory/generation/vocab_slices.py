@@ -86,6 +86,12 @@ class VocabSlice:
     def constrained(self) -> list[int]:
         return [row for row, (rule, _) in enumerate(self.rows) if rule.constrained]
 
+    @property
+    def sends_only(self) -> bool:
+        """Whether `reduce` only sends this rank's records to the source rank (no row samples or has a grammar), so
+        that a rank other than the source may reduce before it takes the next plan, and need not wait for it."""
+        return not self.constrained and not self._first_layout().lse
+
     def reduce(self, local: torch.Tensor, proposed: Sequence[tuple[int, ...]],
                masks: Optional[torch.Tensor]) -> "Merged":
         """Collective. `local` (rows, L, size): this rank's logits of each row's L scored positions (the next token
@@ -141,6 +147,11 @@ class VocabSlice:
 
     def _records(self, z: torch.Tensor, adjusted: torch.Tensor, layout: Layout) -> torch.Tensor:
         """(rows, L, layout.width): this rank's record of each row and position."""
+        if not len(self.tokens):  # a pipeline stage before the head: nothing to offer, made at no cost
+            return self._nothing(z.shape[:2], layout)
+        return self._slice_records(z, adjusted, layout)
+
+    def _slice_records(self, z: torch.Tensor, adjusted: torch.Tensor, layout: Layout) -> torch.Tensor:
         k, short = layout.k, max(0, max(layout.k, layout.top) - z.shape[-1])
         if short:  # a slice smaller than k or top (its tail past the vocabulary): -inf, PAD_ID
             pad = lambda t: torch.nn.functional.pad(t, (0, short), value=float("-inf"))  # noqa: E731
@@ -157,6 +168,21 @@ class VocabSlice:
                 top_ids = (top_index + self.tokens.start).float()
                 parts += [top, top_ids.masked_fill(top_index >= len(self.tokens), PAD_ID) if short else top_ids]
         return torch.cat(parts, dim=-1)
+
+    def _nothing(self, lead: torch.Size, layout: Layout) -> torch.Tensor:
+        """The records of an empty slice, as `_slice_records` makes them: every value -inf, every id PAD_ID, a greedy
+        row's log-sum-exp 0."""
+        records = torch.full((*lead, layout.width), float("-inf"), device=self.device)
+        if layout.lse:
+            greedy = torch.tensor([rule.params.greedy for rule, _ in self.rows], device=self.device)
+            records[..., 2 * layout.k].masked_fill_(greedy[:, None], 0.0)
+        ids = [(layout.k, layout.k)]
+        if layout.raw and layout.top:
+            start = 2 * layout.k + layout.lse + layout.k + 1 + layout.top
+            ids.append((start, layout.top))
+        for start, n in ids:
+            records[..., start:start + n] = PAD_ID
+        return records
 
     def _lse(self, adjusted: torch.Tensor) -> torch.Tensor:
         """(rows, L, 1): each sampled row's log-sum-exp of adjusted / temperature (0 for greedy rows)."""

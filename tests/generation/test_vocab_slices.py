@@ -164,6 +164,25 @@ def test_a_batch_that_keeps_few_tokens_sends_one_small_round():
     assert sizes == [(3, 1, Layout(FIRST_CANDIDATES, 20, raw=True, lse=True).width)]
 
 
+def test_an_empty_slice_makes_the_records_the_general_path_makes():
+    """A pipeline stage before the head holds no ids: its records, made without computing anything, equal those the
+    general path makes of an empty slice, for every layout (greedy, sampled, log-probs, several slots); and only
+    rows that sample or have a grammar need anything back from the source rank."""
+    from accessory.generation.sampling import SamplingParams as P
+    from accessory.generation.vocab_slices import RowRule, VocabSlice
+
+    for params in ([P()], [P(logprobs=2)], [P(temperature=0.7, top_k=5)], [P(), P(temperature=1.0, logprobs=3)]):
+        vocab = VocabSlice(None, range(0), 64, VOCAB, torch.device("cpu"))
+        vocab.admit([RowRule(p) for p in params], [PROMPT] * len(params))
+        assert vocab.sends_only == all(p.greedy for p in params)
+        for slots in (1, 3):
+            z = torch.empty(len(params), slots, 0)
+            layout = vocab._first_layout()
+            assert torch.equal(vocab._records(z, z, layout), vocab._slice_records(z, z, layout))
+    vocab.admit([RowRule(P(), constrained=True)], [PROMPT])
+    assert not vocab.sends_only
+
+
 @pytest.mark.parametrize("size", [49152, 151936, 32064, 50257, 64])
 def test_row_max_is_torch_max(size):
     """The chunked greedy pick: the same values and first indices as torch's max, with ties (within and across

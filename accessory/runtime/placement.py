@@ -43,6 +43,12 @@ class Sizes:
         held = stage_bytes(split, self.layers, self.first, self.last)
         return [held[0] - self.shared] if len(split) == 1 else held
 
+    def work_shares(self, split: tuple[range, ...]) -> list[float]:
+        """Each stage's share of the weights a token multiplies (the head's on the last stage)."""
+        work = [sum(self.layer_work[i] for i in layers) for layers in split]
+        work[-1] += self.head_work
+        return [w / max(sum(work), 1) for w in work]
+
 
 def model_sizes(build: Callable[[Stage], nn.Module], n_layers: int, tp: int, dtype: torch.dtype) -> Sizes:
     """The sizes of the model `build` makes (on the meta device, quantized as loaded) for one stage of every layer
@@ -123,14 +129,18 @@ def stage_budgets(ctx: ParallelContext, stages: int, device: torch.device) -> li
 
 
 def describe_plan(split: tuple[range, ...], tp: int, sizes: Sizes, kv_row_bytes: Optional[list[int]] = None) -> str:
-    """The plan as lines: each stage's ranks, layers, and bytes per rank (and KV cache bytes per row of positions)."""
+    """The plan as lines: each stage's ranks, layers, bytes per rank (and KV cache bytes per row of positions), and
+    share of a token's work (the weights it multiplies: with micro-batches in flight, the busiest stage sets the
+    pace)."""
     lines = []
+    shares = sizes.work_shares(split)
     for s, (layers, held) in enumerate(zip(split, sizes.per_stage(split))):
         extras = [part for part, here in (("embedding", s == 0), ("norm and head", s == len(split) - 1)) if here]
         kv = f", KV cache {_size(kv_row_bytes[s])} a row" if kv_row_bytes else ""
         ranks = f"rank {s}" if tp == 1 else f"ranks {s * tp}-{(s + 1) * tp - 1}"
         lines.append(f"stage {s}: {ranks}, layers {layers.start}-{layers.stop - 1}"
-                     f"{' + ' + ' + '.join(extras) if extras else ''}: {_size(held)} of weights a rank{kv}")
+                     f"{' + ' + ' + '.join(extras) if extras else ''}: {_size(held)} of weights a rank{kv}, "
+                     f"{shares[s]:.0%} of a token's work")
     return "\n".join(lines)
 
 

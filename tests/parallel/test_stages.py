@@ -98,21 +98,26 @@ def test_whether_a_split_fits_its_budgets():
 
 
 def test_a_balanced_split_gives_the_head_s_stage_fewer_layers(smollm2_checkpoint, capsys):
-    """`--pp-layers balanced` on the built-in model (int4), as `accessory inspect` prints it: each layer multiplies
-    3.54M weights a token and the head 28.3M (vocabulary x dim, 8 layers' worth), so 2 stages take 19 and 11 layers
-    (67.3M and 67.2M), where an even split gives the head's stage 81.4M against 53.1M; 3 stages take 12, 13 and 5."""
+    """`--pp-layers balanced` on the built-in model (int4), as `accessory inspect` prints it with each stage's share of
+    a token's work: each layer multiplies 3.54M weights a token and the head 28.3M (vocabulary x dim, 8 layers'
+    worth), so 2 stages take 19 and 11 layers (67.3M and 67.2M), where an even split gives the head's stage 81.4M
+    against 53.1M (61% and 39%); 3 stages take 12, 13 and 5."""
     from accessory.cli import main
 
     per_layer = 576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536  # wq wk wv (3 KV heads of 64) wo, w1 w2 w3
     assert per_layer == 3_538_944 and 49152 * 576 == 8 * per_layer  # the head, as many weights as 8 layers
-    for pp, expected in ((2, ["layers 0-18 + embedding", "layers 19-29 + norm and head"]),
-                         (3, ["layers 0-11 + embedding", "layers 12-24:", "layers 25-29 + norm and head"])):
+    for pp, how, expected in ((2, "balanced", ["layers 0-18 + embedding", "layers 19-29 + norm and head"]),
+                              (3, "balanced", ["layers 0-11 + embedding", "layers 12-24:",
+                                               "layers 25-29 + norm and head"]),
+                              (2, "even", ["layers 0-14 + embedding", "layers 15-29 + norm and head"])):
         try:
-            main(["inspect", str(smollm2_checkpoint), "--pp", str(pp), "--pp-layers", "balanced", "--quant", "int4"])
+            main(["inspect", str(smollm2_checkpoint), "--pp", str(pp), "--pp-layers", how, "--quant", "int4"])
         except SystemExit as e:
             assert e.code == 0
         stages = [line for line in capsys.readouterr().out.splitlines() if line.startswith("stage ")]
         assert len(stages) == pp and all(part in line for part, line in zip(expected, stages)), stages
+        shares = [int(line.rsplit(", ", 1)[1].split("%")[0]) for line in stages]
+        assert shares == {"balanced": [50, 50] if pp == 2 else [32, 34, 34], "even": [39, 61]}[how], stages
 
 
 def test_the_work_a_token_makes_counts_quantized_weights_as_float_ones_and_no_embedding():

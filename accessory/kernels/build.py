@@ -136,7 +136,7 @@ def library_path() -> Optional[Path]:
 
 def set_int8x_products(enabled: bool) -> None:
     """Whether a GGUF block format's products may take x in int8 (off with exact products: dispatch.exact_products):
-    read by dispatch.py for a prompt's, and by the library for one row against Q5_0. Process-wide."""
+    read by dispatch.py for a prompt's, and by the library for one row against Q5_0, Q4_K or Q6_K. Process-wide."""
     global _int8x_products
     _int8x_products = enabled
     if _library is not None:

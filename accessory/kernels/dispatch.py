@@ -9,7 +9,8 @@ torch path that computes the same values by other arithmetic.
   (Triton kernels, cuda.py; int8 / int4); more rows (prefill), float32 on CUDA, GGUF's block formats on CUDA, or no
   kernels: W is dequantized in row chunks for F.linear (a GGUF block format's by a kernel on the CPU). A GGUF block
   format's prompt (GGUF_INT8X_ROWS rows and more) quantizes x to int8 and multiplies in integers instead, as
-  llama.cpp does, and so does one row against Q5_0 in the AVX-512 kernels, unless `exact_products(True)`.
+  llama.cpp does, and so does one row against Q5_0, Q4_K or Q6_K in the AVX-512 kernels, unless
+  `exact_products(True)`.
 - `quantized_linear` with `int8x` parts (a draft model's int4 weights repacked by `pack_int4_int8x`): up to
   INT8X_MAX_ROWS rows take the kernel that quantizes x to int8 and multiplies in integers (AVX-512 VNNI or AVX2), as
   llama.cpp does Q4_1. Close to the exact product, not equal: a draft's proposals are verified, so its numerics
@@ -102,8 +103,8 @@ def _float_kernel_fits(weight: torch.Tensor) -> bool:
 
 def exact_products(exact: bool) -> None:
     """Whether a GGUF block format's products stay in float32 (MetaModel.from_pretrained's exact_products) instead
-    of taking x in int8: a prompt's (GGUF_INT8X_ROWS rows and more) and one row against Q5_0 (a batch-1 decode
-    step, in the kernels' one-row path on AVX-512). Process-wide."""
+    of taking x in int8: a prompt's (GGUF_INT8X_ROWS rows and more) and one row against Q5_0, Q4_K or Q6_K (a
+    batch-1 decode step, in the kernels' one-row path on AVX-512). Process-wide."""
     set_int8x_products(not exact)
 
 

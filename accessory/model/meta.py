@@ -85,10 +85,9 @@ class MetaModel(nn.Module):
 
         `exact_products`: a GGUF's Q4_K / Q5_K / Q6_K / Q5_0 weights (kept bits) multiply x in float32 at every row
         count, as transformers' dequantized model does. By default a prompt's products (GGUF_INT8X_ROWS rows and
-        more: kernels/dispatch.py), and a batch-1 decode step's Q5_0 products on AVX-512, quantize x to int8 per
-        group of 32 and multiply in integers, as llama.cpp does:
-        prompts about 2.5x faster, the weights' bits the same, and greedy tokens that may part from transformers'
-        where two tokens' logits nearly tie. Process-wide: the last model loaded sets it.
+        more: kernels/dispatch.py), and a batch-1 decode step's Q5_0, Q4_K and Q6_K products on AVX-512, quantize x
+        to int8 per group of 32 and multiply in integers, as llama.cpp does: prompts about 2.5x faster, the weights'
+        bits the same, and greedy tokens that may part from transformers' where two tokens' logits nearly tie. Process-wide: the last model loaded sets it.
 
         `warmup` (with `compile`): compile every graph the engine will run before returning (`warm_up`), so no
         later call waits on compilation.

@@ -40,6 +40,7 @@ def random_blocks(fmt: str, rows: int, columns: int, seed: int = 0, scale: float
 
 # Each block's bytes that hold its values (the rest: scales); zeroed, the block dequantizes to its minimums.
 CODES = {"q4_k": (16, 144), "q5_k": (16, 176), "q6_k": (0, 192), "q5_0": (2, 22)}
+ONE_ROW_INT8X = ("q4_k", "q6_k", "q5_0")  # one row of x takes x in int8 against these, in the AVX-512 build
 
 
 def int8x_reference(x: torch.Tensor, q: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -123,16 +124,16 @@ def test_the_kernels_dequantize_exactly_as_gguf(fmt):
 @pytest.mark.parametrize("fmt", K_FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 5, 15, 16, 40, 520])
 def test_quantized_linear_equals_f_linear_on_the_dequantized_weight(fmt, rows):
-    """Below GGUF_INT8X_ROWS the exact kernel (but one row against Q5_0 in the AVX-512 build); from there (16, 40,
-    520) x in int8, its own arithmetic to float32's rounding and within x's rounding of the exact product; K = 768
-    (not a multiple of 512), an odd number of outputs; and bf16 input."""
+    """Below GGUF_INT8X_ROWS the exact kernel (but one row against ONE_ROW_INT8X in the AVX-512 build); from there
+    (16, 40, 520) x in int8, its own arithmetic to float32's rounding and within x's rounding of the exact product;
+    K = 768 (not a multiple of 512), an odd number of outputs; and bf16 input."""
     from accessory.kernels import quantized_linear
     from accessory.kernels.build import int8x_kernels, library_path
     from accessory.kernels.dispatch import GGUF_INT8X_ROWS
     from accessory.quant.formats import dequantize
 
     assert GGUF_INT8X_ROWS[fmt] == 16 and int8x_kernels()
-    one_row_int8x = rows == 1 and fmt == "q5_0" and ctypes.CDLL(str(library_path())).accessory_int8x_one_row()
+    one_row_int8x = rows == 1 and fmt in ONE_ROW_INT8X and ctypes.CDLL(str(library_path())).accessory_int8x_one_row()
     q = torch.from_numpy(random_blocks(fmt, 77, 768, seed=rows))
     x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
     exact = F.linear(x.double(), dequantize({"q": q}, fmt).double())
@@ -156,23 +157,25 @@ def test_a_block_format_embedding_looks_up_dequantized_rows():
 
 
 def test_exact_products_switch_off_every_int8_x_path():
-    """exact_products(True): a prompt's products and one row against Q5_0 both exact (the F.linear reference on the
-    dequantized weight, to float32's rounding); False again restores x in int8."""
+    """exact_products(True): a prompt's products and one row against Q5_0, Q4_K and Q6_K all exact (the F.linear
+    reference on the dequantized weight, to float32's rounding); False again restores x in int8."""
     from accessory.kernels import dispatch, quantized_linear
     from accessory.kernels.build import library_path
     from accessory.quant.formats import dequantize
 
     lib = ctypes.CDLL(str(library_path()))
-    q = torch.from_numpy(random_blocks("q5_0", 40, 640, seed=5))
-    weight = dequantize({"q": q}, "q5_0").double()
     built = lib.accessory_int8x_one_row()
     dispatch.exact_products(True)
     try:
         assert not lib.accessory_int8x_one_row()
-        for rows in (1, 20):
-            x = torch.randn(rows, 640, generator=torch.Generator().manual_seed(rows))
-            reference = x.double() @ weight.T
-            assert (quantized_linear(x, "q5_0", q).double() - reference).abs().max() <= 1e-5 * reference.abs().max()
+        for fmt in ONE_ROW_INT8X:
+            q = torch.from_numpy(random_blocks(fmt, 40, 768, seed=5))
+            weight = dequantize({"q": q}, fmt).double()
+            for rows in (1, 20):
+                x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
+                reference = x.double() @ weight.T
+                out = quantized_linear(x, fmt, q).double()
+                assert (out - reference).abs().max() <= 1e-5 * reference.abs().max(), (fmt, rows)
     finally:
         dispatch.exact_products(False)
     assert lib.accessory_int8x_one_row() == built
@@ -182,8 +185,8 @@ def test_exact_products_switch_off_every_int8_x_path():
 def test_every_kernel_variant_equals_the_reference(tmp_path, march, isa):
     """The AVX2 + FMA + F16C, AVX-512 without VNNI and plain C paths whatever this machine is (the native one runs
     above), called through ctypes on the C code alone; K = 1280 (5 blocks of 256), 1 to 6 rows (tiles and
-    leftovers), and 9 rows with x in int8 (not built in plain C); one row against Q5_0 takes x in int8 in the AVX-512
-    build, and is exact once that is switched off (exact products)."""
+    leftovers), and 9 rows with x in int8 (not built in plain C); one row against Q5_0, Q4_K and Q6_K takes x in int8
+    in the AVX-512 build, and is exact once that is switched off (exact products)."""
     from accessory.kernels.build import SOURCES
     from accessory.quant.formats import dequantize
 
@@ -204,7 +207,7 @@ def test_every_kernel_variant_equals_the_reference(tmp_path, march, isa):
             args = [x.data_ptr(), rows, 1280, q.data_ptr(), 37, out.data_ptr()]
             assert lib.accessory_linear_gguf(fmt.encode(), *[ctypes.c_int64(a) for a in args]) == 0
             reference = x[:rows].double() @ dequantize({"q": q}, fmt).double().T
-            if rows == 1 and fmt == "q5_0" and lib.accessory_int8x_one_row():
+            if rows == 1 and fmt in ONE_ROW_INT8X and lib.accessory_int8x_one_row():
                 reference = int8x_reference(x[:1], q, fmt)
             assert (out.double() - reference).abs().max() <= 1e-5 * reference.abs().max(), (fmt, rows)
         weights = torch.empty(37, 1280)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from accessory.errors import CheckpointError, ConfigError
-from accessory.jsonfile import read_json_object
+from accessory.untrusted import read_json_object
 from accessory.presets import MODEL_SUFFIXES, resolve
 from accessory.quant.formats import FORMATS, GROUP
 

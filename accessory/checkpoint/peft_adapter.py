@@ -30,7 +30,7 @@ from torch import nn
 
 from accessory.checkpoint.importers.hf import HF_TO_META, hf_to_meta_qk
 from accessory.errors import CheckpointError, ConfigError, listing
-from accessory.jsonfile import read_json_object
+from accessory.untrusted import read_json_object
 from accessory.parallel import Shard
 from accessory.parallel.lora import AdapterRouting, LoraColumnParallelLinear, LoraFactors, LoraRowParallelLinear
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from accessory.errors import TokenizerError
-from accessory.jsonfile import read_json_object
+from accessory.untrusted import read_json_object
 from accessory.text.backends import Backend, HFTokenizersBackend, SentencePieceBackend
 
 

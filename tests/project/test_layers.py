@@ -10,7 +10,7 @@ from conftest import REPO
 
 # Lowest first. A module belongs to the longest prefix listed; each may import its own layer and those below.
 LAYERS = [
-    ("accessory.errors", "accessory.jsonfile", "accessory.cache_dir", "accessory.presets"),  # base
+    ("accessory.errors", "accessory.untrusted", "accessory.cache_dir", "accessory.presets"),  # base
     ("accessory.text", "accessory.data"),  # tokenizers, chat templates, conversation templates, images
     ("accessory.quant",),  # the quantized formats (pure torch)
     ("accessory.kernels",),

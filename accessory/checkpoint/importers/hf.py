@@ -27,7 +27,7 @@ from accessory.checkpoint.importers.families import (Family, hf_family, qk_tenso
                                                       without_dense_mlp)
 from accessory.errors import CheckpointError, ConfigError
 from accessory.network.components import LLAMA3_ROPE_DEFAULTS
-from accessory.jsonfile import read_json_object
+from accessory.untrusted import read_json_object
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import torch
 from accessory.checkpoint.importers.common import ImportedModel
 from accessory.checkpoint.importers.hf import HF_TOKENIZER_FILES, config_from_hf, language_model, load_weights
 from accessory.errors import CheckpointError, ConfigError
-from accessory.jsonfile import read_json_object
+from accessory.untrusted import read_json_object
 from accessory.network.vision import TOWER_KEYS
 
 log = logging.getLogger(__name__)

@@ -6,9 +6,16 @@ What the runtime loads back from here must be what it wrote: the folders it crea
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import tempfile
+import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
+
+SCRATCH = "tmp-"  # a build's scratch folder: tmp-<pid>-<random>, removed at its end
+STALE_S = 3600  # ... or, if its process died (killed mid-build), by the next build here after this long
 
 
 def cache_dir() -> Path:
@@ -48,3 +55,34 @@ def untrusted(path: Path, mine_from: Path) -> Optional[str]:
         if status.st_mode & 0o022:
             return f"{part} is writable by others ({stat.filemode(status.st_mode)})"
     return None
+
+
+@contextmanager
+def scratch_folder(parent: Path) -> Iterator[Path]:
+    """A private scratch folder in `parent` for one build, removed when it ends; first, the scratch folders of
+    builds whose process is gone (killed) and that are older than STALE_S, which nothing else removes."""
+    sweep_scratch(parent)
+    with tempfile.TemporaryDirectory(dir=parent, prefix=f"{SCRATCH}{os.getpid()}-") as work:
+        yield Path(work)
+
+
+def sweep_scratch(parent: Path) -> None:
+    now = time.time()
+    for folder in parent.glob(f"{SCRATCH}*-*"):
+        pid = folder.name[len(SCRATCH):].split("-", 1)[0]
+        try:
+            stale = pid.isdigit() and not _alive(int(pid)) and now - folder.stat().st_mtime > STALE_S
+        except OSError:  # another build removed it meanwhile
+            continue
+        if stale:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

@@ -21,7 +21,6 @@ import fcntl
 import logging
 import os
 import re
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Callable, Optional
 
 import torch
 
-from accessory.cache_dir import cache_dir, cache_folder, untrusted
+from accessory.cache_dir import cache_dir, cache_folder, scratch_folder, untrusted
 from accessory.errors import ConfigError
 from accessory.generation import steps
 from accessory.generation.model_runner import MIN_COLUMNS
@@ -164,8 +163,8 @@ class PackagedStep:
             program = steps.export_step(self.model, self.step, tokens, positions, mask, caches)
             fewest, most = steps.size_range(program, self.step)
             target = folder / self.package_name(fewest, most)
-            with tempfile.TemporaryDirectory(dir=folder) as work:
-                package = steps.compile_package(program, Path(work) / target.name)
+            with scratch_folder(folder) as work:
+                package = steps.compile_package(program, work / target.name)
                 package.chmod(0o600)  # writable by no one else whatever the umask, or no process would load it
                 os.replace(package, target)
             step = steps.load(target, self.model)

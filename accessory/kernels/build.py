@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from accessory.cache_dir import cache_dir, cache_folder, untrusted
+from accessory.cache_dir import cache_dir, cache_folder, scratch_folder, untrusted
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "collectives.c", "torch_ops.cpp")]
@@ -184,8 +184,8 @@ def _build() -> Path:
     if not target.is_file():
         log.info("building the quantized CPU kernels into %s (once per machine)", folder)
         # Ranks may build at once: each works in its own folder, then renames its library into place (same bytes).
-        with tempfile.TemporaryDirectory(dir=folder) as work:
-            os.replace(_compile(Path(work)), target)
+        with scratch_folder(folder) as work:
+            os.replace(_compile(work), target)
     return target
 
 

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -204,3 +205,21 @@ def test_the_source_fingerprint_is_the_code_the_process_started_with(monkeypatch
     before = source_fingerprint()
     monkeypatch.setattr(Path, "read_bytes", lambda self: b"edited")
     assert source_fingerprint() == before
+
+
+def test_a_killed_build_s_scratch_folder_is_swept_by_a_later_build(tmp_path):
+    """Builds work in tmp-<pid>-* folders: one whose process is gone and that is older than STALE_S is removed by
+    the next build there; a live process's, and a dead one's that is still recent, are left alone."""
+    from accessory.cache_dir import STALE_S, scratch_folder
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    old = time.time() - STALE_S - 60
+    stale, recent, live = (tmp_path / f"tmp-{dead}-a", tmp_path / f"tmp-{dead}-b", tmp_path / f"tmp-{os.getppid()}-c")
+    for folder in (stale, recent, live):
+        (folder / "part").mkdir(parents=True)
+    for folder in (stale, live):
+        os.utime(folder, (old, old))
+    with scratch_folder(tmp_path) as work:
+        assert work.name.startswith(f"tmp-{os.getpid()}-") and work.is_dir()
+    assert not stale.exists() and recent.is_dir() and live.is_dir() and not work.exists()

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import torch
 
 from accessory.checkpoint.shard_files import find_shards
-from accessory.checkpoint.save import save_checkpoint
+from accessory.checkpoint.save import check_new_folder, save_checkpoint
 from accessory.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -89,8 +89,9 @@ def _check_request(source, target, src: Path, dst: Path, shards, llama_type, lla
     if source == target:
         hint = "accessory reshard SRC DST --shards N" if source == "accessory" else "the folder as it is"
         raise CheckpointError(f"{src} is already {source}: nothing to convert (use {hint})")
-    if dst.exists() or dst.resolve() == src.resolve():
+    if dst.resolve() == src.resolve():
         raise CheckpointError(f"{dst} already exists; choose a new output folder (inputs are never overwritten)")
+    check_new_folder(dst)
     if target == "hf" and shards not in (None, 1):
         raise CheckpointError(f"--shards {shards}: an HF folder is not tensor-parallel; shards are sized by "
                               f"--max_shard_size instead")

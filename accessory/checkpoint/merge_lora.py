@@ -29,7 +29,7 @@ from accessory.checkpoint.config import read_spec, resolved_config
 from accessory.checkpoint.shard_files import find_shards
 from accessory.checkpoint.load import load_weights, open_checkpoint
 from accessory.checkpoint.peft_adapter import is_peft_adapter, merged_delta, read_adapter
-from accessory.checkpoint.save import save_checkpoint
+from accessory.checkpoint.save import check_new_folder, save_checkpoint
 from accessory.errors import CheckpointError, listing
 from accessory.network.LLM import model_classes
 from accessory.text.tokenizer import find_tokenizer_for
@@ -49,9 +49,7 @@ def merge_lora(src_folders: Union[PathLike, Sequence[PathLike]], dst: PathLike, 
     overriding earlier ones) as a new plain llama checkpoint `dst` with `shards` shards (default: as many as the
     first folder has), atomically, with config and tokenizer files. Returns `dst`."""
     folders = [Path(p) for p in ([src_folders] if isinstance(src_folders, (str, Path)) else src_folders)]
-    dst = Path(dst)
-    if dst.exists():  # save_checkpoint refuses too; checked here before minutes of loading
-        raise CheckpointError(f"{dst} already exists; choose a new output folder (inputs are never overwritten)")
+    dst = check_new_folder(dst)  # save_checkpoint refuses too; checked here before minutes of loading
     if is_peft_adapter(folders[-1]):
         return merge_peft_adapter(folders[:-1], folders[-1], dst, shards, dtype)
     spec = read_spec(folders)
@@ -129,8 +127,7 @@ def merge_peft_adapter(base_folders: Sequence[PathLike], adapter: PathLike, dst:
     folders, dst = [Path(p) for p in base_folders], Path(dst)
     if not folders:
         raise CheckpointError(f"merge-lora of the PEFT adapter {adapter}: give the base checkpoint folder before it")
-    if dst.exists():
-        raise CheckpointError(f"{dst} already exists; choose a new output folder (inputs are never overwritten)")
+    check_new_folder(dst)
     spec = read_spec(folders)
     if spec.quantization is not None:
         raise CheckpointError(f"{folders[-1]} holds quantized weights; merge the adapter into the float checkpoint "

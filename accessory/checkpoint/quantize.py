@@ -18,7 +18,7 @@ from accessory.checkpoint.config import read_spec, resolved_config
 from accessory.checkpoint.shard_files import find_shards
 from accessory.checkpoint.load import load_weights, open_checkpoint
 from accessory.checkpoint.reshard import refuse_overlap
-from accessory.checkpoint.save import save_checkpoint
+from accessory.checkpoint.save import check_new_folder, save_checkpoint
 from accessory.errors import CheckpointError
 from accessory.network.LLM import model_classes
 from accessory.text.tokenizer import find_tokenizer_for
@@ -35,8 +35,7 @@ def quantize_checkpoint(src: Path, dst: Path, fmt: str, shards: Optional[int] = 
     src, dst = Path(src), Path(dst)
     check_format(fmt, "--to", quantizing=True)
     refuse_overlap(dst, [src])
-    if dst.exists():
-        raise CheckpointError(f"{dst} already exists; choose a new output folder (inputs are never overwritten)")
+    check_new_folder(dst)
     spec = read_spec([src])
     if spec.quantization is not None:
         raise CheckpointError(f"{src} is already quantized ({spec.quantization.quant}); quantize its float original")

@@ -58,6 +58,18 @@ def save_checkpoint(dst: Path, state_dict: Mapping[str, torch.Tensor], config: d
     return dst
 
 
+def check_new_folder(dst) -> Path:
+    """`dst` as a Path, if it can be made as a new output folder: it must not exist (inputs are never overwritten),
+    and whatever of its parents exists must be a folder. Checked before any slow work; CheckpointError otherwise."""
+    dst = Path(dst)
+    if dst.exists() or dst.is_symlink():
+        raise CheckpointError(f"{dst} already exists; choose a new output folder (inputs are never overwritten)")
+    parent = next((p for p in dst.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise CheckpointError(f"{dst}: cannot make a folder there, {parent} is a file; choose a new output folder")
+    return dst
+
+
 @contextmanager
 def atomic_folder(dst: Path) -> Iterator[Path]:
     """A temporary folder beside `dst` to write into; renamed to `dst` when the block ends, removed if it raises.
@@ -65,9 +77,7 @@ def atomic_folder(dst: Path) -> Iterator[Path]:
     `dst` must not exist: it is refused before anything is written, and if it appears meanwhile it is left alone.
     A temporary folder that a killed run left for the same `dst` is removed first (logged). A full disk is a
     CheckpointError naming `dst` and the space (write_shard checks before each shard)."""
-    dst = Path(dst)
-    if dst.exists():
-        raise CheckpointError(f"{dst} already exists; choose a new output folder (inputs are never overwritten)")
+    dst = check_new_folder(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(dst)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}{PARTIAL}", dir=dst.parent))

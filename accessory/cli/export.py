@@ -31,10 +31,12 @@ def run_export_onnx(args) -> None:
     from pathlib import Path
 
     from accessory.checkpoint.onnx_export import export_onnx
+    from accessory.checkpoint.save import check_new_folder
     from accessory.model.meta import MetaModel
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError("accessory export onnx writes one process's whole model: run it without torchrun")
+    check_new_folder(args.dst)  # before the model loads
     model = MetaModel.from_pretrained(args.src, llama_type=args.llama_type, llama_config=args.llama_config,
                                       tokenizer_path=args.tokenizer_path, max_seq_len=args.max_seq_len,
                                       dtype="fp32", device="cpu", max_batch_size=1, prefix_cache=False)

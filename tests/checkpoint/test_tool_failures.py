@@ -89,3 +89,18 @@ def test_a_destination_too_small_is_an_error_naming_it_and_the_space(smollm2_che
     assert f"writing {dst}: not enough disk space: shard 1 of 1 needs" in run.stderr
     assert "MiB" in run.stderr and run.stdout.strip().endswith("status 2")  # nothing left in the tmpfs
     assert not os.listdir(small)  # and nothing outside it either
+
+
+@pytest.mark.parametrize("verb", ["export onnx", "reshard", "quantize"])
+def test_a_destination_under_a_file_is_refused_by_name(smollm2_checkpoint, tmp_path, verb):
+    """An output folder whose parent is a regular file: exit 2 naming the file (export onnx: before the model loads;
+    it ended in a FileExistsError traceback before)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    dst = blocker / "sub" / "out"
+    extra = {"reshard": ["--shards", "1"], "quantize": ["--to", "int8"]}.get(verb, [])
+    run = subprocess.run([*ACCESSORY, *verb.split(), str(smollm2_checkpoint), str(dst), *extra], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert f"{dst}: cannot make a folder there, {blocker} is a file" in run.stderr
+    assert blocker.read_text() == "x"

@@ -23,7 +23,7 @@ from accessory.generation.speculative import SpeculativeConfig
 from accessory.kernels import cpu_kernels
 from accessory.kernels.dispatch import exact_products
 from accessory.network.LLM import model_classes
-from accessory.network.memory import back_with_huge_pages, check_fits, return_freed_memory
+from accessory.network.memory import back_with_huge_pages, check_fits, return_freed_memory, weight_bytes
 from accessory.parallel import ParallelContext, fairscale_model_parallel_group, init_distributed, share_cores
 from accessory.parallel.context import leave_at_exit, warn_if_ranks_crowd_cores
 from accessory.parallel.layers import repack_int4_for_int8x
@@ -172,8 +172,13 @@ def load_network(folders: list[Path], spec: CheckpointSpec, tokenizer: Tokenizer
         error = e
     ctx.raise_if_any_failed(error)
     formats = llma.quantization
-    check_fits(llma, dtype, device, f"config of {folders[-1]}",  # before any memory is allocated
-               lambda room: fitting_stages(sizes(), room, args.n_layers, stages, tp))
+
+    def what_fits(room: int) -> str:
+        quantized = None if spec.quantization is not None or QUANT_NAMES.get(quant) else fitting_quant(
+            lambda name: transformer(args, ctx, stage), dtype, room)
+        return "; ".join(filter(None, [quantized, fitting_stages(sizes(), room, args.n_layers, stages, tp)]))
+
+    check_fits(llma, dtype, device, f"config of {folders[-1]}", what_fits)  # before any memory is allocated
     if device.type == "cpu":
         cpu_kernels()  # built once per machine (seconds), before anything is compiled
     llma.materialize(device, dtype)
@@ -234,6 +239,22 @@ def quantized_formats(llma, spec: CheckpointSpec, quant, source: Path) -> dict[s
                               f"{spec.quantization.quant!r} or without quant (requantizing is not supported)")
         return spec.quantization.tensors
     return llma.quantization_plan(wanted) if wanted else {}
+
+
+def fitting_quant(build, dtype: torch.dtype, room: int) -> Optional[str]:
+    """For a float checkpoint loaded unquantized, the `--quant` whose weights would fit `room` bytes a rank, for the
+    refusal (`build()` makes this rank's network on the meta device); None if neither would."""
+    for name in ("int8", "int4"):
+        try:
+            with torch.device("meta"):
+                llma = build(name)
+                llma.quantize_(llma.quantization_plan(name))
+        except ConfigError:  # this rank's slices do not fall on whole groups
+            continue
+        need = weight_bytes(llma, dtype)
+        if need <= room:
+            return f"--quant {name} ({need / 2 ** 30:.2f} GiB of weights a rank) would fit"
+    return None
 
 
 def describe(formats: dict[str, str]) -> str:

@@ -115,3 +115,36 @@ def test_a_process_in_a_memory_cgroup_is_refused_a_model_its_limit_cannot_hold(t
         assert f"(the memory limit in {group / 'memory.limit_in_bytes'})" in out.stdout, out.stdout
     finally:
         group.rmdir()  # the process has ended: the cgroup is empty
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not (V1_MEMORY / "cgroup.procs").exists(),
+                    reason="needs root and the cgroup v1 memory controller")
+def test_a_float_model_its_cgroup_cannot_hold_is_refused_and_loads_quantized(smollm2_checkpoint):
+    """The issue's run: one process in a memory cgroup of its idle size + 0.6 x the built-in model's float32 weights.
+    `accessory generate` is refused by name (exit 2) before any weight is read (the cgroup's peak stays near the idle
+    process), naming --quant int8 as what would fit; with --quant int4 in the same cgroup it loads and answers."""
+    idle = int(subprocess.run([sys.executable, "-c", "import accessory.cli, accessory.model.meta\n"
+                               "print(open('/proc/self/status').read().split('VmRSS:')[1].split()[0])"],
+                              capture_output=True, text=True, check=True).stdout) * 1024
+    weights = sum(p.stat().st_size for p in smollm2_checkpoint.glob("consolidated.*"))
+    command = [sys.executable, "-m", "accessory", "generate", "--pretrained_path", str(smollm2_checkpoint),
+               "--prompt", "The capital of France is", "--max_gen_len", "4"]
+    env = {key: value for key, value in os.environ.items() if key != memory.BUDGET_ENV}
+    for extra in ([], ["--quant", "int4"]):
+        group = V1_MEMORY / f"accessory-test-{uuid.uuid4().hex[:8]}"
+        group.mkdir()
+        try:
+            (group / "memory.limit_in_bytes").write_text(str(idle + weights * 6 // 10))
+            enter = f"echo $$ > {group / 'cgroup.procs'} && exec \"$@\""
+            run = subprocess.run(["sh", "-c", enter, "sh", *command, *extra], capture_output=True, text=True,
+                                 timeout=600, env=env)
+            peak = int((group / "memory.max_usage_in_bytes").read_text())
+        finally:
+            group.rmdir()
+        if not extra:
+            assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
+            assert re.search(r"needs 0\.5 GiB of torch.float32 weights on each rank; only 0\.\d GiB is available "
+                             r"\(the memory limit in .*memory.limit_in_bytes\); --quant int8 \(0\.\d\d GiB", run.stderr)
+            assert peak < idle + weights // 4, (peak, idle)  # no weight was read
+        else:
+            assert run.returncode == 0 and "Paris" in run.stdout, run.stderr[-3000:]

@@ -87,10 +87,12 @@ class MetaModel(nn.Module):
         count, as transformers' dequantized model does. By default a prompt's products (GGUF_INT8X_ROWS rows and
         more: kernels/dispatch.py), and a batch-1 decode step's Q5_0, Q4_K and Q6_K products on AVX-512, quantize x
         to int8 per group of 32 and multiply in integers, as llama.cpp does: prompts about 2.5x faster, the weights'
-        bits the same, and greedy tokens that may part from transformers' where two tokens' logits nearly tie. Process-wide: the last model loaded sets it.
+        bits the same, and greedy tokens that may part from transformers' where two tokens' logits nearly tie.
+        Process-wide: the last model loaded sets it.
 
-        `warmup` (with `compile`): compile every graph the engine will run before returning (`warm_up`), so no
-        later call waits on compilation.
+        `warmup`: before returning (`warm_up`), one token of a short prompt, so that a model whose logits are NaN is
+        refused by name (ConfigError); with `compile`, every graph the engine will run is compiled too, so no later
+        call waits on compilation.
 
         `rank_timeout` (seconds; at more than one rank): a rank that stops answering (frozen, killed), or ranks
         that are no longer at the same generation step (user code that breaks out of a stream on some ranks only),
@@ -127,11 +129,14 @@ class MetaModel(nn.Module):
         return model
 
     def warm_up(self) -> float:
-        """With a compiled engine, compile every graph it runs (the decode step for one row, and for several rows
-        with symbolic sizes; with speculative decoding, the verify step and the draft's too) by decoding a few tokens
-        at 1 and 2 rows, so that no later request waits on
-        compilation; the seconds it took (0 without compile). Collective: every rank calls it. A compilation that
-        fails is a ConfigError that says to run without compile."""
+        """Before serving: first one token of a short prompt, so that a model whose logits are NaN (weights or a
+        PEFT adapter that hold values that are not finite) is refused by name here, a ConfigError, rather than
+        failing every request later. Then, with a compiled engine, compile every graph it runs (the decode step for
+        one row, and for several rows with symbolic sizes; with speculative decoding, the verify step and the
+        draft's too) by decoding a few tokens at 1 and 2 rows, so that no later request waits on compilation; the
+        seconds that took (0 without compile). Collective: every rank calls it. A compilation that fails is a
+        ConfigError that says to run without compile."""
+        self._check_first_token()
         if not self.engine.settings.compile:
             return 0.0
         start, stops = time.perf_counter(), self.stop_ids
@@ -151,6 +156,14 @@ class MetaModel(nn.Module):
         seconds = time.perf_counter() - start
         log.info("compiled the decode step in %.1f s", seconds)
         return seconds
+
+    def _check_first_token(self) -> None:
+        events = []
+        for events in self._stream(["Hello"], None, SamplingParams(max_gen_len=1), (), None, "left"):
+            pass
+        if events and events[0].error is not None:
+            raise ConfigError(f"the model's first token failed: {events[0].error}; its weights (or a PEFT adapter's "
+                              f"factors or scaling) are not finite, so it cannot serve")
 
     @property
     def stop_ids(self) -> set[int]:

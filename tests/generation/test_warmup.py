@@ -72,3 +72,17 @@ def test_a_step_first_traced_on_two_rows_then_runs_one_row_as_eager_does(tiny_ch
         model.stop_ids = set()
     for prompts in (PROMPTS[:2], PROMPTS[:1], PROMPTS):
         assert compiled.generate(prompts, max_gen_len=12) == eager.generate(prompts, max_gen_len=12)
+
+
+def test_warm_up_refuses_a_model_whose_first_token_is_nan(tiny_checkpoints):
+    """Weights that are not finite (here the final norm's) make NaN logits: warm_up (before serving, and batch
+    jobs) is a ConfigError naming it, not a server whose every request fails; finite weights warm up as before."""
+    from accessory.errors import ConfigError
+    from accessory.model.meta import MetaModel
+
+    model = MetaModel.from_pretrained(tiny_checkpoints["mha", 1], max_seq_len=64)
+    assert model.warm_up() == 0.0
+    with torch.no_grad():
+        model.llma.norm.weight.fill_(float("nan"))
+    with pytest.raises(ConfigError, match="the model's first token failed: SamplingError: the logits hold NaN; its weights"):
+        model.warm_up()

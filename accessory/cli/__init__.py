@@ -12,6 +12,7 @@
     accessory weights merge-lora SRC [SRC ...] DST [--shards N]
     accessory reshard SRC DST --shards N
     accessory export onnx SRC OUT_DIR [--opset N]   (float32, the KV cache as inputs and outputs)
+    accessory cache {ls,rm} [NAME ...] [--kind K] [--older-than DAYS] [--all]   (imports, compiled steps, kernels)
 
 One module per verb (or family of verbs); options.py holds the shared arguments, process.py how every entry
 point runs on a rank."""
@@ -21,6 +22,7 @@ import argparse
 
 from accessory import __version__
 from accessory.cli.batch import add_batch_verb
+from accessory.cli.cache import add_cache_verb
 from accessory.cli.chat import add_chat_verb
 from accessory.cli.compile import add_compile_verb
 from accessory.cli.export import add_export_verb
@@ -51,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_weights_verb(verbs)
     add_reshard_verb(verbs)
     add_export_verb(verbs)
+    add_cache_verb(verbs)
     add_log_level(parser)
     both_spellings(parser)
     return parser

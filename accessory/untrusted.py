@@ -126,3 +126,14 @@ def shown(value, limit: int = 80) -> str:
         return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def named_inside(folder: Path, name, where: str, error: type[Exception]) -> Path:
+    """folder / name if `name` is a relative path whose parts stay inside `folder` (no absolute path, no `..`);
+    `error` naming `where` and the name otherwise. Unlike `inside`, links are not resolved: a link the folder itself
+    holds may point elsewhere, as the Hugging Face cache links each snapshot's files to its blobs folder."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise error(f"{where}: expected a file name inside {folder}, got {shown(name)}")
+    if Path(name).is_absolute() or ".." in Path(name).parts:
+        raise error(f"{where}: {shown(name)} is outside {folder}; only files inside the folder are read")
+    return Path(folder) / name

@@ -1,7 +1,8 @@
 """A checkpoint path that is a llama.cpp `.gguf` file or a Hugging Face folder loads directly: it is imported once
-into the cache (`$ACCESSORY_CACHE/imported/`, keyed by the source's identity: its path, size and modification
-time), then loaded from there as any checkpoint folder. What llama.cpp and vLLM users type works:
-`--pretrained_path model.gguf`, `MetaModel.from_pretrained("/hf/Qwen2.5-0.5B-Instruct")`.
+into the cache (`$ACCESSORY_CACHE/imported/`, keyed by the source's identity: its path, size, modification time and
+a hash of the parts of its content that describe it, `_identity`), then loaded from there as any checkpoint folder.
+What llama.cpp and vLLM users type works: `--pretrained_path model.gguf`,
+`MetaModel.from_pretrained("/hf/Qwen2.5-0.5B-Instruct")`.
 
 A GGUF keeps its quantized bits (the types accessory keeps: Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K; others are
 dequantized), as llama.cpp runs the file; `accessory convert gguf` without `--keep-quantized` makes a float import.
@@ -12,31 +13,33 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
 import logging
 from pathlib import Path
 
 from accessory.cache_dir import cache_folder
+from accessory.errors import ConfigError
+from accessory.untrusted import read_json_object
 
 log = logging.getLogger(__name__)
 
 
+HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
 def source_kind(path: Path) -> str | None:
     """"gguf" for a GGUF file, "hf" for an HF model folder (config.json naming architectures or a model_type, and
-    HF weights, no accessory shards), None for anything else (an accessory or Meta checkpoint folder)."""
+    HF weights, no accessory shards), None for anything else (an accessory or Meta checkpoint folder). A folder of
+    HF weights whose config.json is not a JSON object (unreadable, too large, nested too deep) is an HF folder that
+    cannot be loaded: ConfigError naming the file, rather than a guess that it is some other kind."""
     if path.is_file() and path.suffix == ".gguf":
         return "gguf"
     config = path / "config.json"
     if not path.is_dir() or not config.is_file() or any(path.glob("consolidated.*")):
         return None
-    weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-    if not any((path / name).is_file() for name in weights):
+    if not any((path / name).is_file() for name in HF_WEIGHTS):
         return None
-    try:
-        hf = json.loads(config.read_text())
-    except (OSError, ValueError):
-        return None
-    return "hf" if isinstance(hf, dict) and ("architectures" in hf or "model_type" in hf) else None
+    hf = read_json_object(config, ConfigError)
+    return "hf" if "architectures" in hf or "model_type" in hf else None
 
 
 def imported(path: Path) -> Path:
@@ -58,9 +61,35 @@ def imported(path: Path) -> Path:
     return target
 
 
+HEAD_BYTES = 16 << 20  # a GGUF's header, metadata (its tokenizer too) and tensor index sit in its first bytes
+TAIL_BYTES = 1 << 20
+MAX_SAFETENSORS_HEADER = 100 << 20  # the safetensors package's own limit; a longer one is hashed only this far
+
+
 def _identity(path: Path) -> str:
-    """A short hash of what the source is: its resolved path, size and modification time (a folder's: of every
-    file in it), so a changed source is imported again."""
+    """A short hash of what the source is, so a changed source is imported again: for each file (a folder's: every
+    file in it), its resolved path, size and modification time, and a hash of its content's first 16 MiB (a
+    safetensors file's: its whole header instead) and last 1 MiB. Small files (config.json, the tokenizer) are
+    hashed whole. Not caught: a change inside the tensor data between those ends that keeps the file's size and
+    modification time (a file rewritten in place with its mtime restored)."""
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    return hashlib.sha256(repr(stats).encode()).hexdigest()[:16]
+    digest = hashlib.sha256()
+    for file in files:
+        stat = file.stat()
+        digest.update(repr((str(file.resolve()), stat.st_size, stat.st_mtime_ns)).encode())
+        digest.update(_content_digest(file, stat.st_size))
+    return digest.hexdigest()[:16]
+
+
+def _content_digest(file: Path, size: int) -> bytes:
+    """sha256 of the file's head (its first HEAD_BYTES; a safetensors file's header) and its last TAIL_BYTES."""
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        head = HEAD_BYTES
+        if file.suffix == ".safetensors":  # 8 bytes of header length, then the header (bounded: it may be hostile)
+            head = min(8 + int.from_bytes(f.read(8), "little"), size, 8 + MAX_SAFETENSORS_HEADER)
+            f.seek(0)
+        digest.update(f.read(head))
+        f.seek(max(head, size - TAIL_BYTES))
+        digest.update(f.read(TAIL_BYTES))
+    return digest.digest()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Optional, Union
 
 from accessory.errors import ConfigError
+from accessory.untrusted import shown
 
 log = logging.getLogger(__name__)
 
@@ -60,21 +61,83 @@ def field_problem(name: str, value, type_name: Optional[str]) -> Optional[str]:
         return None
     if name == "moe":
         return moe_problem(value)
+    if name == "rope_scaling":
+        return rope_scaling_problem(value)
     if name == "layer_types":
         ok = isinstance(value, list) and all(kind in LAYER_TYPES for kind in value)
-        return None if ok else f"must be a list of {list(LAYER_TYPES)}, one per layer, got {value!r}"
+        return None if ok else f"must be a list of {list(LAYER_TYPES)}, one per layer, got {shown(value)}"
     if type_name == "bool":
-        return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
+        return range_problem(value, bool)
     if name not in FIELD_RANGES:
         return None
-    kind, low, high = FIELD_RANGES[name]
+    problem = range_problem(value, *FIELD_RANGES[name])
+    if name == "vocab_size" and (value == 0 or problem):
+        return f"must be an integer in [1, {FIELD_RANGES[name][2]}] (or -1: from the tokenizer), got {shown(value)}"
+    return problem
+
+
+def range_problem(value, kind: type, low=None, high=None) -> Optional[str]:
+    """Why `value` is not a `kind` (bool; int or float in [low, high], NaN never), or None."""
+    if kind is bool:
+        return None if isinstance(value, bool) else f"must be true or false, got {shown(value)}"
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not is_number or (kind is int and not isinstance(value, int)) or value != value:
-        return f"must be {'an integer' if kind is int else 'a number'} in [{low}, {high}], got {value!r}"
-    if not low <= value <= high or (name == "vocab_size" and value == 0):
-        if name == "vocab_size":
-            return f"must be in [1, {high}] (or -1: from the tokenizer), got {value!r}"
-        return f"must be in [{low}, {high}], got {value!r}"
+        return f"must be {'an integer' if kind is int else 'a number'} in [{low}, {high}], got {shown(value)}"
+    if not low <= value <= high:
+        return f"must be in [{low}, {high}], got {shown(value)}"
+    return None
+
+
+# Each rope_type's keys in a rope_scaling dict: those it needs, and those it may have (llama3's missing ones take
+# Meta's LLaMA-3.1 values, components.LLAMA3_ROPE_DEFAULTS).
+ROPE_SCALING_KEYS = {
+    "linear": ({"factor"}, set()),
+    "llama3": (set(), {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
+    "yarn": ({"factor", "original_max_position_embeddings"},
+             {"attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"}),
+}
+# Each rope-scaling value's type and inclusive range. Factors divide frequencies (or scale cos and sin), so they are
+# finite and > 0; yarn's mscales may be 0 (off); the bounds are far beyond any real model's.
+ROPE_VALUE_RANGES = {
+    "factor": (float, 1e-6, 1e6), "low_freq_factor": (float, 1e-6, 1e6), "high_freq_factor": (float, 1e-6, 1e6),
+    "original_max_position_embeddings": (int, 1, 1 << 24), "attention_factor": (float, 1e-6, 1e6),
+    "beta_fast": (float, 1e-6, 1e6), "beta_slow": (float, 1e-6, 1e6), "mscale": (float, 0.0, 1e6),
+    "mscale_all_dim": (float, 0.0, 1e6), "truncate": (bool,),
+}
+
+
+def rope_scaling_problem(value) -> Optional[str]:
+    """Why `value` cannot be `rope_scaling` (None; a number: LLaMA2-Accessory's linear factor; or a dict naming its
+    `rope_type` (or HF's older `type`) and that type's keys, ROPE_SCALING_KEYS), or None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return range_problem(value, *ROPE_VALUE_RANGES["factor"])
+    if not isinstance(value, dict):
+        return f"must be null, a linear factor or a dict with a rope_type, got {shown(value)}"
+    kind = value.get("rope_type", value.get("type"))
+    if not isinstance(kind, str) or kind not in ROPE_SCALING_KEYS:
+        return f"rope_type must be one of {sorted(ROPE_SCALING_KEYS)}, got {shown(kind)}"
+    needed, optional = ROPE_SCALING_KEYS[kind]
+    given = set(value) - {"rope_type", "type"}
+    if needed - given:
+        return f"{kind} scaling lacks key(s) {sorted(needed - given)}"
+    if given - needed - optional:
+        return (f"{kind} scaling has unknown key(s) {sorted(given - needed - optional, key=str)}; it takes "
+                f"{sorted(needed | optional)}")
+    for key in sorted(given):
+        problem = range_problem(value[key], *ROPE_VALUE_RANGES[key])
+        if problem:
+            return f"{kind} {key} {problem}"
+    return llama3_problem(value) if kind == "llama3" else None
+
+
+def llama3_problem(scaling: dict) -> Optional[str]:
+    """Why llama3 scaling's frequency band is empty (its blend divides by high_freq_factor - low_freq_factor)."""
+    from accessory.network.components import LLAMA3_ROPE_DEFAULTS  # here: components imports this module
+
+    values = {**LLAMA3_ROPE_DEFAULTS, **scaling}
+    low, high = values["low_freq_factor"], values["high_freq_factor"]
+    if low >= high:
+        return f"llama3 low_freq_factor ({low}) must be less than high_freq_factor ({high})"
     return None
 
 
@@ -82,15 +145,15 @@ def moe_problem(value) -> Optional[str]:
     """Why `value` cannot be a `moe` config entry ({"num_experts": E, "num_experts_per_tok": k, optionally
     "norm_topk_prob": true/false}), or None."""
     expected = (f'must be {{"num_experts": E, "num_experts_per_tok": k (<= E)[, "norm_topk_prob": true|false]}}, '
-                f'got {value!r}')
+                f'got {shown(value)}')
     if not isinstance(value, dict) or not {"num_experts", "num_experts_per_tok"} <= set(value) <= set(MOE_KEYS):
         return expected
     for key, item in value.items():
         kind, *bounds = MOE_KEYS[key]
         if kind is bool and not isinstance(item, bool):
-            return f"{key} must be true or false, got {item!r}"
+            return f"{key} must be true or false, got {shown(item)}"
         if kind is int and (not isinstance(item, int) or isinstance(item, bool) or not bounds[0] <= item <= bounds[1]):
-            return f"{key} must be an integer in [{bounds[0]}, {bounds[1]}], got {item!r}"
+            return f"{key} must be an integer in [{bounds[0]}, {bounds[1]}], got {shown(item)}"
     if value["num_experts_per_tok"] > value["num_experts"]:
         return f"num_experts_per_tok ({value['num_experts_per_tok']}) exceeds num_experts ({value['num_experts']})"
     return None
@@ -153,6 +216,10 @@ class ModelArgs:
             raise ConfigError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
         if self.layer_types is not None and len(self.layer_types) != self.n_layers:
             raise ConfigError(f"layer_types has {len(self.layer_types)} entries for n_layers {self.n_layers}")
+        scaling = self.rope_scaling if isinstance(self.rope_scaling, dict) else {}
+        if scaling.get("rope_type", scaling.get("type")) == "yarn" and self.rope_theta <= 1:
+            raise ConfigError(f"rope_theta ({self.rope_theta}) must be > 1 with yarn rope scaling (its ramp divides "
+                              f"by log(rope_theta))")
 
     @classmethod
     def check_keys(cls, values: dict, source: str) -> None:

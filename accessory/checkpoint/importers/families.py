@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from accessory.errors import CheckpointError, ConfigError
+from accessory.network.config import FIELD_RANGES
+from accessory.untrusted import number, shown
 
 QKV_BIAS_HF = {f"model.layers.{{i}}.self_attn.{p}_proj.bias": f"layers.{{i}}.attention.w{p}.bias" for p in "qkv"}
 QK_NORM_HF = {f"model.layers.{{i}}.self_attn.{p}_norm.weight": f"layers.{{i}}.attention.{p}_norm.weight"
@@ -69,9 +71,13 @@ def hf_windows(hf: dict, source: str, every_layer: bool) -> dict:
         window = None
     types = hf.get("layer_types")
     if types is not None:
+        if not isinstance(types, list) or not all(isinstance(kind, str) for kind in types):
+            raise ConfigError(f"{source}: layer_types must be a list of {list(HF_LAYER_TYPES)}, one per layer, got "
+                              f"{shown(types)}")
         unknown = sorted(set(types) - set(HF_LAYER_TYPES))
         if unknown:
-            raise ConfigError(f"{source}: layer_types {unknown} are not supported; expected {list(HF_LAYER_TYPES)}")
+            raise ConfigError(f"{source}: layer_types {shown(unknown)} are not supported; expected "
+                              f"{list(HF_LAYER_TYPES)}")
         types = [HF_LAYER_TYPES[kind] for kind in types]
         if window is None or "sliding" not in types:
             return {}
@@ -80,7 +86,7 @@ def hf_windows(hf: dict, source: str, every_layer: bool) -> dict:
         return {}
     if every_layer:
         return {"sliding_window": window, "layer_types": None}
-    first = hf.get("max_window_layers", 0)  # Qwen: layers from max_window_layers on slide
+    first = hf.get("max_window_layers") or 0  # Qwen: layers from max_window_layers on slide
     return {"sliding_window": window,
             "layer_types": ["sliding" if i >= first else "full" for i in range(hf["num_hidden_layers"])]}
 
@@ -107,18 +113,21 @@ def _gemma3_config(hf: dict, source: str) -> dict:
         raise ConfigError(f"{source}: use_bidirectional_attention is true (an embedding model); a causal language "
                           f"model is expected")
     if hf.get("attn_logit_softcapping") is not None:
-        raise ConfigError(f"{source}: attn_logit_softcapping is {hf['attn_logit_softcapping']}; attention logit "
+        raise ConfigError(f"{source}: attn_logit_softcapping is {shown(hf['attn_logit_softcapping'])}; attention logit "
                           f"soft-capping (Gemma 2) is not supported")
     if hf.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ConfigError(f"{source}: hidden_activation {hf['hidden_activation']!r} is not supported; Gemma 3 uses "
-                          f"'gelu_pytorch_tanh'")
+        raise ConfigError(f"{source}: hidden_activation {shown(hf['hidden_activation'])} is not supported; Gemma 3 "
+                          f"uses 'gelu_pytorch_tanh'")
     if "layer_types" not in hf and hf.get("sliding_window") is not None:
-        pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+        pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
         hf = {**hf, "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                     for i in range(hf["num_hidden_layers"])]}
-    params = hf.get("rope_parameters") or {}
-    local = params.get("sliding_attention", {}).get("rope_theta", hf.get("rope_local_base_freq", 10000.0))
-    return {**hf_windows(hf, source, every_layer=False), "rope_local_theta": float(local),
+    sliding = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if not isinstance(sliding, dict):
+        raise ConfigError(f"{source}: rope_parameters.sliding_attention must be an object, got {shown(sliding)}")
+    local = number(sliding.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)), source,
+                   "rope_local_base_freq", ConfigError, *FIELD_RANGES["rope_local_theta"][1:])
+    return {**hf_windows(hf, source, every_layer=False), "rope_local_theta": local,
             "query_pre_attn_scalar": hf.get("query_pre_attn_scalar"),
             "final_logit_softcapping": hf.get("final_logit_softcapping")}
 
@@ -141,9 +150,9 @@ def _mixtral_config(hf: dict, source: str) -> dict:
 
 def _qwen3_moe_config(hf: dict, source: str) -> dict:
     if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
-        raise ConfigError(f"{source}: mlp_only_layers {hf.get('mlp_only_layers')} / decoder_sparse_step "
-                          f"{hf.get('decoder_sparse_step')}: dense layers among the MoE layers are not supported "
-                          f"(every layer must be a mixture: mlp_only_layers [] and decoder_sparse_step 1)")
+        raise ConfigError(f"{source}: mlp_only_layers {shown(hf.get('mlp_only_layers'))} / decoder_sparse_step "
+                          f"{shown(hf.get('decoder_sparse_step'))}: dense layers among the MoE layers are not "
+                          f"supported (every layer must be a mixture: mlp_only_layers [] and decoder_sparse_step 1)")
     if hf.get("shared_expert_intermediate_size"):
         raise ConfigError(f"{source}: shared experts (shared_expert_intermediate_size) are not supported")
     return {**_qwen3_config(hf, source),
@@ -255,11 +264,12 @@ GGUF_ARCHITECTURES = {(family.gguf_arch, family.is_moe): family for family in FA
 def hf_family(hf: dict, source: str) -> Family:
     """The family of an HF config: by its `architectures`, or its `model_type` when it names none (a
     vision-language config's text_config)."""
-    architectures = hf.get("architectures")
-    if architectures is None and hf.get("model_type", "llama") in HF_MODEL_TYPES:
-        return HF_MODEL_TYPES[hf.get("model_type", "llama")]
-    if not isinstance(architectures, list) or len(architectures) != 1 or architectures[0] not in HF_ARCHITECTURES:
-        raise CheckpointError(f"{source}: architectures is {architectures}; these can be imported: "
+    architectures, model_type = hf.get("architectures"), hf.get("model_type", "llama")
+    if architectures is None and isinstance(model_type, str) and model_type in HF_MODEL_TYPES:
+        return HF_MODEL_TYPES[model_type]
+    if not (isinstance(architectures, list) and len(architectures) == 1 and isinstance(architectures[0], str)
+            and architectures[0] in HF_ARCHITECTURES):
+        raise CheckpointError(f"{source}: architectures is {shown(architectures)}; these can be imported: "
                               f"{sorted(HF_ARCHITECTURES) + ['LlavaForConditionalGeneration']}")
     return HF_ARCHITECTURES[architectures[0]]
 

@@ -27,7 +27,8 @@ from accessory.checkpoint.importers.families import (Family, hf_family, qk_tenso
                                                       without_dense_mlp)
 from accessory.errors import CheckpointError, ConfigError
 from accessory.network.components import LLAMA3_ROPE_DEFAULTS
-from accessory.untrusted import read_json_object
+from accessory.network.config import FIELD_RANGES, MOE_KEYS
+from accessory.untrusted import decoded, integer, json_object, named_inside, number, read_json_object, shown
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +70,12 @@ def hf_to_meta_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def read_hf_config(folder: Path) -> dict:
-    """The folder's config.json."""
-    return _read_json(Path(folder) / "config.json")
+    """The folder's config.json: CheckpointError if it is missing, ConfigError naming it if it is not a JSON object
+    (or too large, or nested too deep)."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not found; an HF model folder needs it")
+    return read_json_object(path, ConfigError)
 
 
 def read_causal_lm(folder: Path, hf: dict) -> ImportedModel:
@@ -172,21 +177,16 @@ def rotate_half_to_interleaved(state_dict: dict, args, permute) -> None:
 
 def config_from_hf(hf: dict, source: str) -> dict:
     """An HF config dict of a known family -> our config dict (its ModelArgs keys only). Missing optional keys take
-    HF's defaults. A vision-language folder's `text_config` is its language model's."""
+    HF's defaults. A vision-language folder's `text_config` is its language model's. Every value read is checked
+    before any arithmetic on it (`checked_hf_values`): a ConfigError names `source`, the key and the value."""
     family = hf_family(hf, source)
-    if "text_config" in hf:
-        hf = {**hf["text_config"], "architectures": hf["architectures"]}
+    hf = _text_model(hf, source)
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                           "vocab_size") if k not in hf]
+                           "vocab_size") if hf.get(k) is None]
     if missing:
         raise ConfigError(f"{source}: missing key(s) {missing} that a {family.hf_architectures[0]} config needs")
-    if hf.get("mlp_bias"):
-        raise ConfigError(f"{source}: mlp_bias is true; MLP layers with biases are not supported")
-    if family.llama_type in ("llama", "mistral", "mixtral"):
-        if hf.get("attention_bias"):
-            raise ConfigError(f"{source}: attention_bias is true; LLaMA layers with biases are not supported")
-    if family.llama_type != "gemma3" and hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported; expected 'silu'")
+    hf = checked_hf_values(hf, source)
+    _refuse_unsupported(hf, family, source)
     dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     rope_theta, rope_scaling = _rope_from_hf(hf, source)
     config = {
@@ -207,6 +207,66 @@ def config_from_hf(hf: dict, source: str) -> dict:
     return {**config, **family.hf_config(hf, source)}
 
 
+def _text_model(hf: dict, source: str) -> dict:
+    """The language model's config: a vision-language config's `text_config`, else `hf` itself."""
+    if "text_config" not in hf:
+        return hf
+    if not isinstance(hf["text_config"], dict):
+        raise ConfigError(f"{source}: text_config must be an object (the language model's config), got "
+                          f"{shown(hf['text_config'])}")
+    return {**hf["text_config"], "architectures": hf.get("architectures")}
+
+
+def _refuse_unsupported(hf: dict, family: Family, source: str) -> None:
+    """ConfigError for what the family's model here lacks: biases it does not have, another activation."""
+    if hf.get("mlp_bias"):
+        raise ConfigError(f"{source}: mlp_bias is true; MLP layers with biases are not supported")
+    if family.llama_type in ("llama", "mistral", "mixtral"):
+        if hf.get("attention_bias"):
+            raise ConfigError(f"{source}: attention_bias is true; LLaMA layers with biases are not supported")
+    if family.llama_type != "gemma3" and hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{source}: hidden_act {shown(hf['hidden_act'])} is not supported; expected 'silu'")
+
+
+# Each config.json number the importer reads, by its type and inclusive range (ModelArgs' own where it becomes one of
+# its fields): checked before any arithmetic on it.
+HF_NUMBERS = {
+    "hidden_size": FIELD_RANGES["dim"], "num_hidden_layers": FIELD_RANGES["n_layers"],
+    "num_attention_heads": FIELD_RANGES["n_heads"], "num_key_value_heads": FIELD_RANGES["n_kv_heads"],
+    "intermediate_size": FIELD_RANGES["hidden_dim"], "vocab_size": (int, 1, 1 << 24),
+    "rms_norm_eps": FIELD_RANGES["norm_eps"], "rope_theta": FIELD_RANGES["rope_theta"],
+    "max_position_embeddings": FIELD_RANGES["max_seq_len"], "head_dim": FIELD_RANGES["head_dim"],
+    "sliding_window": FIELD_RANGES["sliding_window"], "max_window_layers": (int, 0, 1 << 20),
+    "sliding_window_pattern": (int, 1, 1 << 10), "_sliding_window_pattern": (int, 1, 1 << 10),
+    "rope_local_base_freq": FIELD_RANGES["rope_local_theta"],
+    "query_pre_attn_scalar": FIELD_RANGES["query_pre_attn_scalar"],
+    "final_logit_softcapping": FIELD_RANGES["final_logit_softcapping"],
+    "num_local_experts": MOE_KEYS["num_experts"], "num_experts": MOE_KEYS["num_experts"],
+    "num_experts_per_tok": MOE_KEYS["num_experts_per_tok"], "moe_intermediate_size": FIELD_RANGES["hidden_dim"],
+}
+HF_FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "use_bidirectional_attention",
+            "norm_topk_prob")
+HF_OBJECTS = ("rope_scaling", "rope_parameters")
+
+
+def checked_hf_values(hf: dict, source: str) -> dict:
+    """`hf` with each number the importer reads (HF_NUMBERS) an int or a finite float in its range (an integral
+    float becomes the int), each flag (HF_FLAGS) true or false, each nested object (HF_OBJECTS) a JSON object;
+    ConfigError naming `source`, the key and the value otherwise. A null is left as it is (HF writes null for
+    "not set")."""
+    out = dict(hf)
+    for key, (kind, low, high) in HF_NUMBERS.items():
+        if out.get(key) is not None:
+            out[key] = (integer if kind is int else number)(out[key], source, key, ConfigError, low, high)
+    for key in HF_FLAGS:
+        if out.get(key) is not None and not isinstance(out[key], bool):
+            raise ConfigError(f"{source}: {key} must be true or false, got {shown(out[key])}")
+    for key in HF_OBJECTS:
+        if out.get(key) is not None and not isinstance(out[key], dict):
+            raise ConfigError(f"{source}: {key} must be an object, got {shown(out[key])}")
+    return out
+
+
 # Keys of each rope type we support, as HF names them (and as our dict form keeps them), and those it may have.
 _ROPE_KEYS = {"linear": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -219,22 +279,33 @@ def _rope_from_hf(hf: dict, source: str) -> tuple[float, Optional[dict]]:
     `rope_parameters` (which holds rope_theta and the scaling together; per layer type for Gemma 3, whose global
     layers' are the model's)."""
     params = hf.get("rope_parameters") or {}
-    params = params.get("full_attention", params)
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if "full_attention" in params:
+        params = hf_object(params["full_attention"], "rope_parameters.full_attention", source)
+    theta = number(params.get("rope_theta", hf.get("rope_theta", 10000.0)), source, "rope_theta", ConfigError,
+                   *FIELD_RANGES["rope_theta"][1:])
     scaling = params if params.get("rope_type", "default") != "default" else hf.get("rope_scaling")
     if not scaling:
-        return float(theta), None
+        return theta, None
     rope_type = scaling.get("rope_type", scaling.get("type"))
     if rope_type in (None, "default"):
-        return float(theta), None
-    if rope_type not in _ROPE_KEYS:
-        raise ConfigError(f"{source}: rope scaling type {rope_type!r} is not supported; expected one of "
+        return theta, None
+    if not isinstance(rope_type, str) or rope_type not in _ROPE_KEYS:
+        raise ConfigError(f"{source}: rope scaling type {shown(rope_type)} is not supported; expected one of "
                           f"{sorted(_ROPE_KEYS)} or 'default'")
     missing = [k for k in _ROPE_KEYS[rope_type] if k not in scaling]
     if missing:
         raise ConfigError(f"{source}: {rope_type} rope scaling lacks key(s) {missing}")
     kept = _ROPE_KEYS[rope_type] + tuple(k for k in _ROPE_OPTIONAL.get(rope_type, ()) if scaling.get(k) is not None)
-    return float(theta), {"rope_type": rope_type, **{k: scaling[k] for k in kept}}
+    return theta, {"rope_type": rope_type, **{k: scaling[k] for k in kept}}  # its values: ModelArgs checks them
+
+
+def hf_object(value, key: str, source: str) -> dict:
+    """`value`, a nested JSON object of config.json (null: empty); ConfigError naming the key otherwise."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: {key} must be an object, got {shown(value)}")
+    return value
 
 
 def _drop_tied_output(state_dict: dict, source: str) -> None:
@@ -271,10 +342,12 @@ def load_weights(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
 
 
 def _shards_from_index(index: Path) -> list[Path]:
+    """The shard files an index names, each inside its folder (CheckpointError naming the index and the name)."""
     weight_map = _read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index}: expected a non-empty 'weight_map' of weight name -> shard file")
-    files = [index.parent / name for name in sorted(set(weight_map.values()))]
+    files = sorted({named_inside(index.parent, name, f"{index}: weight_map", CheckpointError)
+                    for name in weight_map.values()})
     absent = [str(f.name) for f in files if not f.is_file()]
     if absent:
         raise CheckpointError(f"{index}: shard file(s) {absent} listed in weight_map are missing from "
@@ -284,11 +357,33 @@ def _shards_from_index(index: Path) -> list[Path]:
 
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError, safe_open
+
+    check_safetensors_header(path)
     try:
         with safe_open(str(path), framework="pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{path}: cannot read as safetensors: {e}") from e
+
+
+SAFETENSORS_MAX_HEADER = 100 << 20  # the safetensors package's own limit
+
+
+def check_safetensors_header(path: Path) -> None:
+    """CheckpointError naming `path` unless it starts with an 8-byte little-endian header length that fits in the
+    file (and in the package's limit), then that many bytes of a UTF-8 JSON object, before the safetensors package
+    (which reads the header into memory) is handed the file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise CheckpointError(f"{path}: {size} bytes; a safetensors file starts with an 8-byte header length")
+        length = int.from_bytes(prefix, "little")
+        if length > min(size - 8, SAFETENSORS_MAX_HEADER):
+            raise CheckpointError(f"{path}: safetensors header length {length} exceeds the {size - 8} bytes after it "
+                                  f"(or the {SAFETENSORS_MAX_HEADER}-byte limit)")
+        header = decoded(f.read(length), f"{path}: safetensors header", CheckpointError)
+    json_object(header, f"{path}: safetensors header", CheckpointError)
 
 
 def _load_bin(path: Path) -> dict[str, torch.Tensor]:

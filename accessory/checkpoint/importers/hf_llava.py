@@ -17,7 +17,7 @@ import torch
 from accessory.checkpoint.importers.common import ImportedModel
 from accessory.checkpoint.importers.hf import HF_TOKENIZER_FILES, config_from_hf, language_model, load_weights
 from accessory.errors import CheckpointError, ConfigError
-from accessory.untrusted import read_json_object
+from accessory.untrusted import integer, number, read_json_object, shown
 from accessory.network.vision import TOWER_KEYS
 
 log = logging.getLogger(__name__)
@@ -44,14 +44,10 @@ def llava_config(hf: dict, source: str, preprocessor: Path) -> dict:
     llava-1.5 configs rely on) and the image processor's normalisation."""
     architectures = hf.get("architectures")
     if architectures is not None and architectures != ["LlavaForConditionalGeneration"]:
-        raise CheckpointError(f"{source}: architectures is {architectures}; a LLaVA folder that can be imported is "
-                              f"['LlavaForConditionalGeneration'] (LLaVA-NeXT and others are not supported)")
-    from transformers import LlavaConfig
-
-    try:
-        full = LlavaConfig(**{k: v for k, v in hf.items() if k != "architectures"}).to_dict()
-    except (TypeError, ValueError, KeyError) as e:
-        raise ConfigError(f"{source}: not a readable LlavaConfig: {e}") from e
+        raise CheckpointError(f"{source}: architectures is {shown(architectures)}; a LLaVA folder that can be "
+                              f"imported is ['LlavaForConditionalGeneration'] (LLaVA-NeXT and others are not "
+                              f"supported)")
+    full = _full_llava_config(hf, source)
     vision = full["vision_config"]
     config = {
         **config_from_hf(full["text_config"], f"{source}: text_config"),
@@ -63,9 +59,37 @@ def llava_config(hf: dict, source: str, preprocessor: Path) -> dict:
         "image_token_index": full.get("image_token_index", full.get("image_token_id")),
     }
     if preprocessor.is_file():
-        processor = read_json_object(preprocessor, ConfigError)
-        config.update({key: list(processor[key]) for key in ("image_mean", "image_std") if key in processor})
+        config.update(_normalisation(read_json_object(preprocessor, ConfigError), str(preprocessor)))
     return config
+
+
+def _full_llava_config(hf: dict, source: str) -> dict:
+    """`hf` with transformers' LlavaConfig defaults filled in; its two nested configs checked to be objects first."""
+    from transformers import LlavaConfig
+
+    for key in ("text_config", "vision_config"):
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            raise ConfigError(f"{source}: {key} must be an object, got {shown(hf[key])}")
+    for key in ("image_token_index", "image_token_id"):
+        if hf.get(key) is not None:
+            integer(hf[key], source, key, ConfigError, 0)
+    try:
+        return LlavaConfig(**{k: v for k, v in hf.items() if k != "architectures"}).to_dict()
+    except Exception as e:  # transformers raises many kinds for odd values; any of them means an unreadable config
+        raise ConfigError(f"{source}: not a readable LlavaConfig: {str(e)[:200]}") from e
+
+
+def _normalisation(processor: dict, source: str) -> dict:
+    """image_mean / image_std of preprocessor_config.json, each a list of finite numbers (their count and signs are
+    the model config's to check)."""
+    out = {}
+    for key in ("image_mean", "image_std"):
+        if key in processor:
+            values = processor[key]
+            if not isinstance(values, list) or len(values) > 16:
+                raise ConfigError(f"{source}: {key} must be a list of numbers, one per channel, got {shown(values)}")
+            out[key] = [number(v, source, key, ConfigError) for v in values]
+    return out
 
 
 def _args(config: dict, source: str):

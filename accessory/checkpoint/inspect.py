@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from accessory.errors import AccessoryError, CheckpointError, listing
+from accessory.errors import AccessoryError, listing
 
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                    "pytorch_model.bin.index.json")
@@ -253,15 +253,11 @@ def _inspect_gguf(report: Report, path: Path) -> None:
     """A GGUF file is checked by importing it (metadata, names, shapes), which dequantizes every tensor."""
     import tempfile
 
-    import gguf
-
     from accessory.checkpoint.importers import read_gguf
+    from accessory.checkpoint.importers.gguf import open_gguf
 
     report.format, report.files = "gguf", [path.name]
-    try:
-        stored = sorted({t.tensor_type.name for t in gguf.GGUFReader(path).tensors})
-    except (ValueError, OSError) as e:
-        raise CheckpointError(f"{path}: cannot read as GGUF: {e}") from e
+    stored = sorted({t.tensor_type.name for t in open_gguf(path).tensors})  # checked before it is read
     with tempfile.TemporaryDirectory(prefix="accessory-inspect-") as work:
         _fill_from_import(report, read_gguf(path, Path(work)), Path(work))
     report.dtypes = stored  # the stored (quantized) types, not the dequantized float32

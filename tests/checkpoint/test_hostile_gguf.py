@@ -219,13 +219,18 @@ def accessory(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
                           env=env, timeout=300)
 
 
-def test_convert_refuses_the_2_60_array_with_exit_2(tmp_path):
+@pytest.mark.parametrize("verb", ["convert", "inspect"])
+def test_convert_and_inspect_refuse_the_2_60_array_by_name(tmp_path, verb):
+    """convert: exit 2 and the error on stderr; inspect reports it as the file's problem (stdout, exit 1: its
+    health-check convention)."""
     path = tmp_path / "a.gguf"
     path.write_bytes(raw(0, 1, entry(b"test.hostile", T.ARRAY, struct.pack("<IQ", T.UINT8, BIG)) + bytes(1000)))
-    done = accessory(tmp_path, "convert", "gguf", str(path), str(tmp_path / "out"))
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert f"metadata key 'test.hostile': an array of {BIG} UINT8 values" in done.stderr
-    assert "Traceback" not in done.stderr
+    args = ["convert", "gguf", str(path), str(tmp_path / "out")] if verb == "convert" else ["inspect", str(path)]
+    done = accessory(tmp_path, *args)
+    assert done.returncode == (2 if verb == "convert" else 1), done.stderr[-2000:]
+    said = done.stderr if verb == "convert" else done.stdout
+    assert f"metadata key 'test.hostile': an array of {BIG} UINT8 values" in said
+    assert "Traceback" not in done.stderr + done.stdout
 
 
 def test_generate_refuses_head_count_0_with_exit_2(tmp_path):

@@ -1,5 +1,10 @@
-"""`accessory generate`: complete one prompt (alone or under torchrun), and the --image a prompt reads."""
+"""`accessory generate`: complete one prompt (alone or under torchrun), and the --image a prompt reads. Exit status:
+0 with the text printed; 1 when the request fails while generating (its error logged: NaN logits, say); 2 for bad
+input (a flag, a file, an adapter), refused before generating."""
 from __future__ import annotations
+
+import logging
+import sys
 
 from accessory.cli.options import add_image_args, add_model_args, add_sampling_args, sampling_kwargs
 from accessory.cli.process import load_model
@@ -21,13 +26,34 @@ def run_generate(args) -> None:
     image = read_image(args)
     model = load_model(args)
     pixels = image_pixels_of(model, image, args)
+    last = None
+    for last in generated_events(model, pixels, args):
+        pass
+    exit_if_failed(last)
+    if model.ctx.is_source:
+        print(last.text, flush=True)
+
+
+def generated_events(model, pixels, args):
+    """The prompt's events (stream_generate's, or stream_chat's with --chat): the last tells whether it failed,
+    which generate's and chat's texts do not."""
     if args.chat:
         messages = [{"role": "user", "content": args.prompt}]
-        text = model.chat(with_image(messages, args), image=pixels, **sampling_kwargs(args))
-    else:
-        [text] = model.generate([args.prompt], images=None if pixels is None else [pixels], **sampling_kwargs(args))
-    if model.ctx.is_source:
-        print(text, flush=True)
+        return model.stream_chat(with_image(messages, args), image=pixels, **sampling_kwargs(args))
+    return model.stream_generate(args.prompt, image=pixels, **sampling_kwargs(args))
+
+
+def exit_if_failed(event) -> None:
+    """A request that failed (NaN logits, say) ends the verb with status 1 and its error instead of printing a
+    partial text with status 0. Every rank holds the same events, so every rank leaves the group here, in step."""
+    if event.finish_reason != "error":
+        return
+    from accessory.parallel.context import shutdown_distributed
+
+    logging.getLogger("accessory").error("generation failed after %d token(s): %s", event.completion_tokens,
+                                         event.error)
+    shutdown_distributed()
+    sys.exit(1)
 
 
 def read_image(args):

@@ -3,7 +3,6 @@ the argparse types that refuse a bad value naming what was expected."""
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Optional
 
 from accessory.config_file import add_config_arg, parsers, verb_parsers
@@ -179,15 +178,15 @@ def checked(convert, ok, expected: str):
 
 
 def speculative_config(text: str) -> dict:
-    """--speculative-config: a JSON object that SpeculativeConfig accepts (checked before any model loads)."""
+    """--speculative-config: a JSON object that SpeculativeConfig accepts (checked before any model loads; its
+    nesting bounded before it is parsed)."""
     from accessory.errors import ConfigError
     from accessory.generation.speculative import SpeculativeConfig
+    from accessory.untrusted import json_object
 
     try:
-        values = json.loads(text)
+        values = json_object(text, "--speculative-config", ConfigError)
         SpeculativeConfig.from_dict(values, "--speculative-config")
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"method\": \"ngram\"}}': {e}") from None
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return values

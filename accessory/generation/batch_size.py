@@ -6,7 +6,8 @@ Per row: the KV cache at max_seq_len (every layer, this rank's KV heads, the mod
 `KVCaches.row_nbytes`) plus a decode step's workspace (`step_row_nbytes`). The memory: this rank's budget
 (network/memory.py `memory_budget`: the GPU's free memory, or on the CPU the available RAM and the memory cgroup's room,
 shared by the ranks of this machine; `ACCESSORY_MEMORY_BUDGET`, bytes per rank, replaces what is measured). The
-prefix cache's bytes (finished sequences kept, `prefix_cache_bytes`) come off the top.
+prefix cache's bytes (finished sequences kept, `prefix_cache_bytes`) come off the top. At most MAX_ROWS rows,
+however large the budget.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 
 MARGIN = 0.05  # of the memory left free: allocator slack, fragmentation, the host's own objects
 AUTO = "auto"
+MAX_ROWS = 4096  # auto's ceiling: more rows than a step batches usefully, and sizes that cannot overflow a tensor's
 
 
 @dataclass(frozen=True)
@@ -39,12 +41,13 @@ class BatchSizing:
     @property
     def rows(self) -> int:
         usable = int(self.memory * (1 - MARGIN)) - self.reserved
-        return max(1, usable // (self.cache_row + self.step_row))
+        return min(MAX_ROWS, max(1, usable // (self.cache_row + self.step_row)))
 
     def describe(self) -> str:
         return (f"max_batch_size auto: {self.source} {mib(self.memory)}, less {MARGIN:.0%} margin and "
                 f"{mib(self.reserved)} prefix cache, / ({mib(self.cache_row)} KV cache at {self.columns} positions + "
-                f"{mib(self.step_row)} step workspace) per row = {self.rows} rows")
+                f"{mib(self.step_row)} step workspace) per row = {self.rows} rows"
+                + (" (the most auto takes)" if self.rows == MAX_ROWS else ""))
 
 
 def mib(n: int) -> str:

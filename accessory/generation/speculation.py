@@ -32,6 +32,7 @@ class Speculation:
             raise ConfigError("speculative decoding needs every layer's KV cache full-width; this model's "
                               "sliding-window layers keep only their window (a rejected proposal would overwrite a "
                               "position still in it): run it without speculative_config")
+        config.check_window(engine.max_seq_len)  # before costs() allocates caches for a step of that many tokens
         if (config.method == "draft_model") != (draft_model is not None):
             raise ConfigError(f"speculative_config method {config.method!r} "
                               f"{'needs a draft model' if draft_model is None else 'takes no draft model'}")

@@ -20,8 +20,12 @@ from typing import Any, Optional
 import numpy as np
 
 from accessory.errors import ConfigError
+from accessory.untrusted import shown
 
 METHODS = ("ngram", "draft_model")
+QUANTS = ("int8", "int4")  # the draft's format, as from_pretrained's quant names it (or true: int8, false: float)
+MAX_SPECULATIVE_TOKENS = 64  # a step scores this many proposals a row at most: more never pays, and costs memory
+MAX_LOOKUP = 64  # n-gram lengths: the lookup compares each earlier occurrence over this many tokens
 DECAY = 0.8  # a row's acceptance rate weighs each earlier verify step this much less than the next
 PROBE_EVERY = 8  # where speculation does not pay, a row still proposes one token this often (in steps)
 
@@ -32,7 +36,7 @@ class SpeculativeConfig:
     "prompt_lookup_min": M}` (proposals from the row's own tokens), or `{"model": PATH, "num_speculative_tokens":
     K}` (method "draft_model": a draft checkpoint with the same tokenizer, on the same ranks; `"model": "self"` is
     the target's own checkpoint, with `"quant"` its format, e.g. "int4": a float or int8 model drafts for itself).
-    K: tokens proposed per step at most."""
+    K: tokens proposed per step at most (1 to MAX_SPECULATIVE_TOKENS, and below max_seq_len: `check_window`)."""
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
@@ -41,20 +45,44 @@ class SpeculativeConfig:
     quant: Any = None
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ConfigError(f"speculative_config method must be one of {METHODS}, got {self.method!r}")
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"speculative_config {name} must be an integer >= 1, got {value!r}")
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ConfigError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must be at most "
-                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if not isinstance(self.method, str) or self.method not in METHODS:
+            raise ConfigError(f"speculative_config method must be one of {METHODS}, got {shown(self.method)}")
+        self._check_counts()
+        self._check_draft()
+
+    def _check_draft(self) -> None:
+        if self.model is not None and (not isinstance(self.model, str) or not self.model or "\x00" in self.model):
+            raise ConfigError(f'speculative_config model must be a checkpoint folder or "self", got '
+                              f"{shown(self.model)}")
+        if not (self.quant is None or isinstance(self.quant, bool) or (isinstance(self.quant, str)
+                                                                       and self.quant in QUANTS)):
+            raise ConfigError(f'speculative_config quant must be "int8", "int4", true (int8), false or null, got '
+                              f"{shown(self.quant)}")
         if (self.method == "draft_model") != (self.model is not None):
             raise ConfigError('speculative_config: method "draft_model" needs "model" (a checkpoint, or "self"), '
                               'and "model" needs method "draft_model"')
         if self.quant is not None and self.model is None:
             raise ConfigError('speculative_config "quant" is the draft model\'s format: it needs "model"')
+
+    def _check_counts(self) -> None:
+        for name, most in (("num_speculative_tokens", MAX_SPECULATIVE_TOKENS), ("prompt_lookup_max", MAX_LOOKUP),
+                           ("prompt_lookup_min", MAX_LOOKUP)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"speculative_config {name} must be an integer >= 1, got {shown(value)}")
+            if value > most:
+                raise ConfigError(f"speculative_config {name} must be at most {most}, got {shown(value)}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must be at most "
+                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    def check_window(self, max_seq_len: int) -> None:
+        """A step scores the next token and every proposal at once, all inside the max_seq_len window: refuse a
+        num_speculative_tokens that cannot fit, before anything is allocated for it."""
+        if self.num_speculative_tokens >= max_seq_len:
+            raise ConfigError(f"speculative_config num_speculative_tokens ({self.num_speculative_tokens}) must be "
+                              f"below max_seq_len ({max_seq_len}): a step scores the next token and every proposal "
+                              f"within it")
 
     @classmethod
     def from_dict(cls, values: Optional[dict], source: str = "speculative_config") -> Optional["SpeculativeConfig"]:
@@ -65,9 +93,9 @@ class SpeculativeConfig:
         if not isinstance(values, dict):
             raise ConfigError(f"{source} must be a JSON object, got {type(values).__name__}")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
+        unknown = sorted((key for key in values if key not in known), key=str)
         if unknown:
-            raise ConfigError(f"{source}: unknown key(s) {unknown}; known: {sorted(known)}")
+            raise ConfigError(f"{source}: unknown key(s) {shown(unknown, 200)}; known: {sorted(known)}")
         if "model" in values and "method" not in values:
             values = {**values, "method": "draft_model"}
         return cls(**values)

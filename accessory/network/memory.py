@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from accessory.errors import ConfigError
+from accessory.untrusted import shown
 
 
 def weight_bytes(model: nn.Module, dtype: torch.dtype) -> int:
@@ -30,19 +31,29 @@ def memory_budget(device: torch.device) -> tuple[int, str]:
     room by the ranks inside it (a rank in a cgroup of its own has its room to itself)."""
     override = os.environ.get(BUDGET_ENV)
     if override:
-        try:
-            value = int(override)
-        except ValueError:
-            value = 0
-        if value <= 0:
-            raise ConfigError(f"{BUDGET_ENV} must be a positive number of bytes per rank, got {override!r}")
-        return value, BUDGET_ENV
+        return budget_override(override), BUDGET_ENV
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free, f"free memory of {device}"
     ranks = local_ranks()
     ram = (available_ram() // ranks, f"available RAM / {ranks} local ranks" if ranks > 1 else "available RAM")
     return min([ram, *cgroup_room()])
+
+
+MAX_BUDGET = 1 << 60  # bytes (1 EiB): more than any machine has; a larger figure overflows the sizes made from it
+
+
+def budget_override(text: str) -> int:
+    """ACCESSORY_MEMORY_BUDGET's bytes: a number from 1 to MAX_BUDGET (4000000000 or 4e9), else a ConfigError
+    naming it."""
+    try:
+        value = int(text) if text.strip().isdigit() else float(text)  # exact for digits; 4e9 read too
+    except ValueError:  # not a number, or thousands of digits
+        value = 0
+    if not 1 <= value <= MAX_BUDGET:  # NaN fails this too
+        raise ConfigError(f"{BUDGET_ENV} must be a positive number of bytes per rank, got {shown(text)} (at most "
+                          f"{MAX_BUDGET}, 2**60)")
+    return int(value)
 
 
 def local_ranks() -> int:

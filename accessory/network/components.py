@@ -30,7 +30,7 @@ from accessory.kernels import (apply_rope, attends_in_one_call, decode_attention
 from accessory.kernels.build import one_row_float_kernel
 from accessory.parallel import (ColumnParallelLinear, ExpertLinear, FusedColumns, ParallelContext, RowParallelLinear,
                                 expert_placement, head_placement, head_shard)
-from accessory.network.config import MoEConfig
+from accessory.network.config import LLAMA3_ROPE_DEFAULTS, MoEConfig
 from accessory.network.kv_caches import KVCache
 from accessory.quant.formats import GROUP, PARTS, block_size
 from accessory.parallel.quantized_weight import QuantizedWeight
@@ -51,10 +51,6 @@ class RMSNorm(nn.Module):
 ROPE_TYPES = ("linear", "llama3", "yarn")
 
 
-# Meta's LLaMA-3.1 llama3 rope-scaling constants (3.1 / 3.2 / 3.3 differ only in the factor): what a config that says
-# only `use_scaled_rope`, or only the factor, means; and what llama.cpp's rope_freqs tensor was computed with.
-LLAMA3_ROPE_DEFAULTS = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                        "original_max_position_embeddings": 8192}
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: Union[None, float, dict]) -> tuple[torch.Tensor, float]:

@@ -88,8 +88,12 @@ def range_problem(value, kind: type, low=None, high=None) -> Optional[str]:
     return None
 
 
+# Meta's LLaMA-3.1 llama3 rope-scaling constants (3.1 / 3.2 / 3.3 differ only in the factor): what a config that says
+# only `use_scaled_rope`, or only the factor, means; and what llama.cpp's rope_freqs tensor was computed with.
+LLAMA3_ROPE_DEFAULTS = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 8192}
 # Each rope_type's keys in a rope_scaling dict: those it needs, and those it may have (llama3's missing ones take
-# Meta's LLaMA-3.1 values, components.LLAMA3_ROPE_DEFAULTS).
+# Meta's LLaMA-3.1 values, LLAMA3_ROPE_DEFAULTS).
 ROPE_SCALING_KEYS = {
     "linear": ({"factor"}, set()),
     "llama3": (set(), {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
@@ -132,8 +136,6 @@ def rope_scaling_problem(value) -> Optional[str]:
 
 def llama3_problem(scaling: dict) -> Optional[str]:
     """Why llama3 scaling's frequency band is empty (its blend divides by high_freq_factor - low_freq_factor)."""
-    from accessory.network.components import LLAMA3_ROPE_DEFAULTS  # here: components imports this module
-
     values = {**LLAMA3_ROPE_DEFAULTS, **scaling}
     low, high = values["low_freq_factor"], values["high_freq_factor"]
     if low >= high:

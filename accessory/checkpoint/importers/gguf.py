@@ -53,7 +53,8 @@ from accessory.checkpoint.importers.families import gguf_family, with_family_nam
 from accessory.checkpoint.importers.hf import hf_to_meta_qk, rotate_half_to_interleaved
 from accessory.errors import AccessoryError, CheckpointError, ConfigError, listing
 from accessory.network.config import FIELD_RANGES, MOE_KEYS
-from accessory.network.components import LLAMA3_ROPE_DEFAULTS, base_frequencies, llama3_scaled
+from accessory.network.components import base_frequencies, llama3_scaled
+from accessory.network.config import LLAMA3_ROPE_DEFAULTS
 from accessory.quant.formats import GGUF_BLOCKS, part_shapes
 from accessory.untrusted import decoded, integer, number, shown
 

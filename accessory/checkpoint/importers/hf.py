@@ -26,7 +26,7 @@ from accessory.checkpoint.importers.common import (ImportedModel, LazyTensors, c
 from accessory.checkpoint.importers.families import (Family, hf_family, qk_tensors, with_family_names,
                                                       without_dense_mlp)
 from accessory.errors import CheckpointError, ConfigError
-from accessory.network.components import LLAMA3_ROPE_DEFAULTS
+from accessory.network.config import LLAMA3_ROPE_DEFAULTS
 from accessory.network.config import FIELD_RANGES, MOE_KEYS
 from accessory.untrusted import decoded, integer, json_object, named_inside, number, read_json_object, shown
 

@@ -37,6 +37,7 @@ def run_group(model, layout: GroupLayout, jobs: list[Job], options: BatchOptions
     def on_done(job: Job, event: Event) -> None:
         if writer is not None:
             stats.output_tokens += event.completion_tokens
+            stats.failed += event.error is not None
             writer.write(output_row(job, event, sampling["max_gen_len"], options.max_seq_len))
         bar.update(1)
 

@@ -2,6 +2,8 @@
 loads the model and generates its share, global rank 0 merges the output and prints the summary."""
 from __future__ import annotations
 
+import logging
+import sys
 import time
 from dataclasses import replace
 from typing import Callable
@@ -50,8 +52,20 @@ def run_batch(options: BatchOptions, sampling: dict, load_model: Callable) -> No
         energies = world.gather_object(energy)
     if leader:
         files.merge(plan.records, files.read_done({r.id for r in plan.records}))
+        stats = [s for s in stats if s is not None]
         print(format_summary(options, layout, sampling, len(plan.records), len(plan.records) - pending,
-                             [s for s in stats if s is not None], encode_s, job_energy(energies or [])), flush=True)
+                             stats, encode_s, job_energy(energies or [])), flush=True)
+        exit_if_all_failed(stats)
+
+
+def exit_if_all_failed(stats: list[GroupStats]) -> None:
+    """A job whose every generated record failed (the model's logits NaN, say) exits 1, naming that: its output holds
+    only errors. Some failed rows alone are the rows' own (each written with its error)."""
+    generated, failed = sum(s.records for s in stats), sum(s.failed for s in stats)
+    if generated and failed == generated:
+        logging.getLogger(__name__).error("every one of the %d generated records failed; each output row holds its "
+                                          "error", generated)
+        sys.exit(1)
 
 
 def _prepare_and_mark_shared(options: BatchOptions, max_gen_len: int) -> JobPlan:

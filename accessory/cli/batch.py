@@ -39,7 +39,7 @@ def run_batch(args) -> None:
     from accessory.batch.energy import check_country
 
     args.max_batch_size = args.batch_size or args.max_batch_size
-    country = check_country(args.country_iso_code) if args.country_iso_code else None  # before any model loads
+    country = check_country(args.country_iso_code) if args.country_iso_code is not None else None  # before loading
     options = BatchOptions(Path(args.input), Path(args.output), args.mp, args.max_batch_size, args.template,
                            args.max_seq_len, args.image_transform, country)
     run(options, sampling_kwargs(args), lambda group: load_model(args, group, warmup=True))

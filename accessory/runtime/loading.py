@@ -59,6 +59,8 @@ def load(options: LoadOptions) -> Loaded:
     compile, quant, rank_timeout = options.compile, options.quant, options.rank_timeout
     exact_products(options.exact_products)
     speculative = SpeculativeConfig.from_dict(options.speculative_config)
+    if speculative is not None:
+        speculative.check_window(options.max_seq_len)  # before any weight is read
     auto_rows = options.max_batch_size == AUTO  # sized once the model is loaded (generation/batch_size.py)
     settings = EngineSettings(max_batch_size=1 if auto_rows else options.max_batch_size, compile=compile,  # checked
                               prefix_cache=options.prefix_cache, prefix_cache_bytes=options.prefix_cache_bytes,

@@ -158,7 +158,7 @@ def test_killed_midway_then_rerun_gives_every_record_once_equal_to_one_process(t
     rows = read_jsonl(output)
     assert [row["id"] for row in rows] == [r["id"] for r in records]
     assert {row["id"]: row["output"] for row in rows} == oracle
-    assert f"50 ({50 - written} generated, {written} already done)" in rerun.stdout
+    assert f"50 ({50 - written} generated, 0 failed, {written} already done)" in rerun.stdout
     assert "dropping an unfinished last line" in rerun.stderr
     assert sorted(p.name for p in output.parent.iterdir()) == ["answers.jsonl"]  # parts merged and removed
     assert source.read_bytes() == before
@@ -183,7 +183,7 @@ def test_default_model_answers_messages_at_one_by_three(smollm2_checkpoint, tmp_
     assert list(answers) == ["france", "italy", "japan"]
     assert "Paris" in answers["france"] and "Rome" in answers["italy"] and "Tokyo" in answers["japan"], answers
     assert not any("<|im_end|>" in a for a in answers.values())
-    assert "1 data-parallel x 3 model-parallel" in result.stdout and "3 (3 generated, 0 already done)" in result.stdout
+    assert "1 data-parallel x 3 model-parallel" in result.stdout and "3 (3 generated, 0 failed, 0 already done)" in result.stdout
 
 
 # ---- bad input: named, before any model loads ---------------------------------------------------------------------
@@ -282,7 +282,7 @@ def test_rerun_with_every_record_done_merges_without_loading_a_model(tmp_path, c
     run_batch(options, SAMPLING, no_model)
     assert read_jsonl(options.output) == [row(0, "zero"), row(1, "one"), row(2, "two"), row(3, "three")]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]
-    assert "4 (0 generated, 4 already done)" in capsys.readouterr().out
+    assert "4 (0 generated, 0 failed, 4 already done)" in capsys.readouterr().out
 
 
 def test_torn_last_line_of_a_part_is_cut_before_appending(tmp_path):
@@ -399,3 +399,16 @@ def test_jobs_render_messages_with_the_template_and_count_prompt_tokens(llama_to
     assert ("USER: Hi" in jobs[1].prompt) == (template == "vicuna_v1_1")  # not the default by another name
     assert [j.prompt_tokens for j in jobs] == [len(tokenizer.encode(j.prompt, bos=True, eos=False)) for j in jobs]
     assert caplog.text.count("has no chat template") == (template is None)
+
+
+def test_a_job_whose_every_record_failed_exits_1_and_counts_them(caplog):
+    """The summary counts failed records; a job exits 1 only when every record it generated failed (some failed
+    rows are their own, each written with its error), and 0 when it generated nothing."""
+    from accessory.batch.job import exit_if_all_failed
+    from accessory.batch.summary import GroupStats
+
+    exit_if_all_failed([GroupStats(records=3, failed=2), GroupStats(records=0)])
+    exit_if_all_failed([GroupStats()])
+    with pytest.raises(SystemExit) as ended:
+        exit_if_all_failed([GroupStats(records=3, failed=3), GroupStats(records=2, failed=2)])
+    assert ended.value.code == 1 and "every one of the 5 generated records failed" in caplog.text

@@ -53,11 +53,13 @@ def test_the_summary_reports_energy_and_co2_and_how(tiny_checkpoints, records, t
     assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 4
 
 
-def test_an_unknown_country_is_refused_before_loading(records, tmp_path):
+@pytest.mark.parametrize("code", ["XYZ", ""])
+def test_an_unknown_country_is_refused_before_loading(records, tmp_path, code):
+    """An empty code too: it was taken silently, as if the flag were not given."""
     done = batch(["--pretrained_path", str(tmp_path / "no-such-model"), "--input", str(records), "--output",
-                  str(tmp_path / "out.jsonl"), "--country-iso-code", "XYZ"], tmp_path)
+                  str(tmp_path / "out.jsonl"), "--country-iso-code", code], tmp_path)
     assert done.returncode == 2
-    assert "--country-iso-code 'XYZ': not a 3-letter ISO code codecarbon has an electricity mix for" in done.stderr
+    assert f"--country-iso-code {code!r}: not a 3-letter ISO code codecarbon has an electricity mix for" in done.stderr
 
 
 def test_without_codecarbon_the_flag_says_what_to_install(records, tmp_path):

@@ -102,9 +102,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         "(the arithmetic is logged)")
     engine.add_argument("--exact-products", dest="exact_products", action="store_true",
                         help="multiply a GGUF's Q4_K / Q5_K / Q6_K / Q5_0 weights in float32 at every prompt length, "
-                        "as transformers does (by default a prompt's products, and a batch-1 step's Q5_0 ones, quantize "
-                        "x to int8, as llama.cpp does: about 2.5x faster prompts, faster decoding, greedy tokens that "
-                        "may part from transformers' at a near tie)")
+                        "as transformers does (by default a prompt's products, and a batch-1 step's Q5_0, Q4_K and "
+                        "Q6_K ones, quantize x to int8, as llama.cpp does: about 2.5x faster prompts, faster decoding, "
+                        "greedy tokens that may part from transformers' at a near tie)")
     engine.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile "
                         "(CUDA graphs on CUDA): tens of seconds once, faster steps after")
     engine.add_argument("--speculative-config", type=speculative_config, metavar="JSON",

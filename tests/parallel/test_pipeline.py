@@ -316,7 +316,8 @@ def test_two_stages_fit_where_one_process_is_refused_each_rank_in_its_own_cgroup
     results = json.loads(out.read_text())
     refused = results["refused_alone"]
     assert refused["exit"] == 2
-    assert "accessory-memory-0/memory.limit_in_bytes); --pp 2 (pipeline stages" in refused["message"]
+    assert "accessory-memory-0/memory.limit_in_bytes); --quant int8 (" in refused["message"]
+    assert "would fit; --pp 2 (pipeline stages" in refused["message"]
     alone, staged = results["runs"]
     assert staged["exit"] == 0 and staged["same_text"], staged
     assert max(staged["anonymous_rss_by_rank"]) < results["limit_bytes"] < alone["anonymous_rss_by_rank"][0]

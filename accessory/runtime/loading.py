@@ -177,7 +177,7 @@ def load_network(folders: list[Path], spec: CheckpointSpec, tokenizer: Tokenizer
 
     def what_fits(room: int) -> str:
         quantized = None if spec.quantization is not None or QUANT_NAMES.get(quant) else fitting_quant(
-            lambda name: transformer(args, ctx, stage), dtype, room)
+            lambda: transformer(args, ctx, stage), dtype, room)
         return "; ".join(filter(None, [quantized, fitting_stages(sizes(), room, args.n_layers, stages, tp)]))
 
     check_fits(llma, dtype, device, f"config of {folders[-1]}", what_fits)  # before any memory is allocated
@@ -249,7 +249,7 @@ def fitting_quant(build, dtype: torch.dtype, room: int) -> Optional[str]:
     for name in ("int8", "int4"):
         try:
             with torch.device("meta"):
-                llma = build(name)
+                llma = build()
                 llma.quantize_(llma.quantization_plan(name))
         except ConfigError:  # this rank's slices do not fall on whole groups
             continue

@@ -626,16 +626,23 @@ def _check_metadata(layout: _Layout, count: int) -> int:
     """Step over `count` metadata entries; the data alignment they set (general.alignment, else gguf's 32)."""
     alignment, seen = gguf.GGUF_DEFAULT_ALIGNMENT, set()
     for index in range(count):
-        key = layout.name(f"metadata key #{index}'s name")
-        if key in seen:
-            raise CheckpointError(f"{layout.path}: metadata key {key!r} appears twice; each key once was expected")
-        seen.add(key)
+        key = _new_name(layout, seen, "metadata key", index)
         kind = layout.uint(4, lambda: f"metadata key {key!r}'s type")
         start = layout.pos
         _check_value(layout, kind, key, 0)
         if key == "general.alignment":
             alignment = _alignment(layout, kind, start)
     return alignment
+
+
+def _new_name(layout: _Layout, seen: set, kind: str, index: int) -> str:
+    """Entry `index`'s name (a metadata key's, a tensor's), refused if an earlier entry had it."""
+    name = layout.name(f"{kind} #{index}'s name")
+    if name in seen:
+        raise CheckpointError(f"{layout.path}: {kind} {name!r} appears twice; each {kind.split()[-1]} once was "
+                              f"expected")
+    seen.add(name)
+    return name
 
 
 def _check_value(layout: _Layout, kind: int, key: str, depth: int) -> None:
@@ -689,10 +696,7 @@ def _check_tensor_index(layout: _Layout, count: int, alignment: int) -> None:
     """Step over `count` tensor entries; each tensor's data must lie inside the file, after the index (aligned)."""
     entries, seen = [], set()
     for index in range(count):
-        name = layout.name(f"tensor #{index}'s name")
-        if name in seen:
-            raise CheckpointError(f"{layout.path}: tensor {name!r} appears twice; each tensor once was expected")
-        seen.add(name)
+        name = _new_name(layout, seen, "tensor", index)
         n_dims = layout.uint(4, lambda: f"tensor {name!r}'s dimension count")
         if not 1 <= n_dims <= MAX_DIMS:
             raise CheckpointError(f"{layout.path}: tensor {name!r} has {n_dims} dimensions; 1 to {MAX_DIMS} were "
